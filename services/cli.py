@@ -1,0 +1,42 @@
+"""The `strata` command: one subcommand per service, plus the tools around them.
+
+Each subcommand hands its remaining arguments to that module's own `main(argv)`, so
+`strata tokenizer --model DIR` and `python -m services.tokenizer --model DIR` are the same.
+"""
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "up": ("services.launcher", "start the whole stack on loopback"),
+    "tokenizer": ("services.tokenizer.__main__", "run the tokenizer service"),
+    "engine": ("services.engine.__main__", "run an engine replica"),
+    "router": ("services.router.__main__", "run the router in front of engine replicas"),
+    "gateway": ("services.gateway.__main__", "run the OpenAI HTTP gateway"),
+    "model": ("services.common.model_cli", "build the built-in default model (`strata model init`)"),
+    "generate": ("services.engine.offline", "generate offline from a checkpoint, no services"),
+    "bench": ("services.bench.__main__", "benchmarks: `strata bench serve|offline|compare`"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: strata <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"strata: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

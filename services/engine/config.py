@@ -1,0 +1,38 @@
+"""Engine settings, validated at construction. Flag names follow `vllm serve` where the meaning is the same."""
+
+from dataclasses import dataclass
+
+from services.common.block_hash import DEFAULT_HASH_SEED
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass
+class EngineConfig:
+    model: str  # a Hugging Face checkpoint directory
+    dtype: str = "float32"  # "auto" takes the checkpoint's torch_dtype
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size the pool from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    prefix_cache_hash_seed: int = DEFAULT_HASH_SEED
+    max_logprobs: int = 20
+    attention_backend: str = "auto"  # "torch", "triton", or "auto" (triton on CUDA, torch on CPU)
+    replica_id: str = "engine-0"
+    seed: int = 0  # seeds the engine's random generator for requests without a seed
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")

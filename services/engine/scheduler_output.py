@@ -1,0 +1,55 @@
+"""What the scheduler hands the model runner for one step, and what comes back."""
+
+from dataclasses import dataclass, field
+
+from services.engine.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: compute tokens
+    ``request.all_token_ids[request.num_computed_tokens : request.num_computed_tokens + num_new_tokens]``
+    at those positions, writing their K/V into ``block_ids`` (the request's whole block table).
+    The step samples a token for this request iff ``samples``."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: decodes first, then prefill chunks, under one token budget."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # preempted during this schedule() call
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledLogprobs:
+    """Logprob of a sampled token and the top alternatives at its position (most likely first)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the sampled token
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step, keyed by request id, for the chunks whose ``samples`` is true."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
