@@ -2,9 +2,7 @@
 
 from dataclasses import dataclass, field
 
-
-class InvalidRequestError(ValueError):
-    """A request that can never succeed as given (maps to gRPC INVALID_ARGUMENT / HTTP 400)."""
+from services.common.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

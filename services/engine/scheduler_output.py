@@ -53,3 +53,21 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request, as streamed to its caller."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[SampledLogprobs]  # one per new token when the request asked for logprobs
+    finish_reason: str | None  # None while running; else "stop", "length" or "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    stop_token_id: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
