@@ -7,3 +7,7 @@ class InvalidRequestError(ValueError):
 
 class ResourceExhaustedError(RuntimeError):
     """A request that may succeed later, when load is lower (gRPC RESOURCE_EXHAUSTED, HTTP 429/503)."""
+
+
+class ServiceUnavailableError(RuntimeError):
+    """The service cannot take requests now: still loading, or draining (gRPC UNAVAILABLE, HTTP 503)."""

@@ -1,0 +1,153 @@
+"""The gRPC server every Strata service runs: errors mapped to status codes in one place, health,
+reflection, and a graceful stop on SIGTERM/SIGINT.
+
+Servicers stay thin and raise domain errors; `ErrorMappingInterceptor` turns them into statuses:
+InvalidRequestError -> INVALID_ARGUMENT, ResourceExhaustedError -> RESOURCE_EXHAUSTED and
+ServiceUnavailableError -> UNAVAILABLE, with the error's message; anything else -> INTERNAL, logged
+with its traceback. Usage:
+
+    server = GrpcServer([TOKENIZER_SERVICE_NAME])                # inside a running event loop
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
+    port = server.add_port("127.0.0.1:50051")                    # ":0" picks a free port
+    await server.start()
+    await server.set_serving()                                   # health says SERVING from now on
+    await server.wait_for_termination()                          # until SIGTERM/SIGINT, then stops
+"""
+
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import InvalidRequestError, ResourceExhaustedError, ServiceUnavailableError
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_ERROR = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ServiceUnavailableError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed RPC returns for `exc`."""
+    for error_type, code in STATUS_BY_ERROR:
+        if isinstance(exc, error_type):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every method handler so that an exception becomes the status `status_for` picks."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _mapped(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _mapped(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _mapped(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            _mapped(handler.stream_stream, method), handler.request_deserializer, handler.response_serializer
+        )
+
+
+def _mapped(behavior, method: str):
+    """`behavior` (a coroutine or async generator function) with its exceptions turned into statuses."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request, context):
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await _abort(context, exc, method)
+
+        return stream
+
+    async def call(request, context):
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method)
+
+    return call
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=exc)
+    await context.abort(code, message)
+
+
+class GrpcServer:
+    """A `grpc.aio` server with error mapping, health and reflection; the caller adds its servicers.
+
+    Health reports NOT_SERVING for the whole server ("") and for each name in `service_names` until
+    `set_serving()`; `stop()` reports NOT_SERVING, then lets in-flight RPCs finish for `grace_s`.
+    Build it inside the event loop that will run it.
+    """
+
+    def __init__(self, service_names: Iterable[str], *, grace_s: float = 5.0, options: Iterable = ()) -> None:
+        self.service_names = tuple(service_names)
+        self.grace_s = grace_s
+        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=list(options))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        reflection.enable_server_reflection(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+
+    def add_port(self, address: str) -> int:
+        """Listens (without TLS) on `address`, such as "127.0.0.1:50051"; returns the bound port."""
+        port = self.server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        return port
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self._health.set(name, status)
+
+    async def stop(self) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s)
+
+    async def wait_for_termination(self) -> None:
+        """Serves until SIGTERM or SIGINT, then stops gracefully."""
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop_requested.set)
+        try:
+            await stop_requested.wait()
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+            await self.stop()

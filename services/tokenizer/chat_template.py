@@ -1,0 +1,152 @@
+"""Chat templates found and rendered the way transformers does it, with jinja2 alone.
+
+A checkpoint's templates come from `chat_template.jinja` and `additional_chat_templates/*.jinja`
+when those files exist, else from `tokenizer_config.json`'s `chat_template` (a string, or a list of
+`{"name", "template"}`). The one used by default is the one named "default". Rendering uses the
+same sandboxed environment as transformers' `apply_chat_template`: `trim_blocks`, `lstrip_blocks`,
+loop controls, the `{% generation %}` tag, `raise_exception`, `strftime_now`, a `tojson` that does
+not escape HTML, and the special tokens (`bos_token`, `eos_token`, ...) as variables.
+"""
+
+import functools
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from services.common.errors import InvalidRequestError
+
+DEFAULT_TEMPLATE_NAME = "default"
+# Variables the renderer sets itself; template kwargs may not override them.
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt"})
+
+
+def load_chat_templates(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """The checkpoint's templates by name; files beside the config take priority over the config."""
+    templates = {}
+    if (model_dir / "chat_template.jinja").is_file():
+        templates[DEFAULT_TEMPLATE_NAME] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    extra_dir = model_dir / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    configured = tokenizer_config.get("chat_template")
+    if isinstance(configured, str):
+        return {DEFAULT_TEMPLATE_NAME: configured}
+    if isinstance(configured, list):
+        return {entry["name"]: entry["template"] for entry in configured}
+    return {}
+
+
+def render_chat(
+    template: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    variables: Mapping[str, Any],
+) -> str:
+    """Renders `messages` with the template source `template`.
+
+    `variables` are passed to the template as transformers passes the special tokens and the
+    caller's template kwargs (`tools`, `documents` and any other name). Raises InvalidRequestError
+    for malformed messages, a template that does not compile or fails while rendering (including its
+    own `raise_exception`), and variables that would replace `messages` or `add_generation_prompt`.
+    """
+    _check_messages(messages)
+    reserved = RESERVED_VARIABLES & variables.keys()
+    if reserved:
+        raise InvalidRequestError(f"template kwargs may not set {sorted(reserved)}; they come from the request")
+    context = {"tools": None, "documents": None, **variables}
+    try:
+        compiled = _compile(template)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+    except jinja2.TemplateError as exc:
+        raise InvalidRequestError(f"chat template error: {exc}") from exc
+    except (TypeError, ValueError, LookupError, ArithmeticError) as exc:
+        raise InvalidRequestError(f"chat template failed on these messages: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_messages(messages: list[dict[str, Any]]) -> None:
+    if not messages:
+        raise InvalidRequestError("messages must hold at least one message")
+    for index, message in enumerate(messages):
+        if not message.get("role"):
+            raise InvalidRequestError(f"messages[{index}] has no role")
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    return _environment().from_string(template)
+
+
+@functools.cache
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body unchanged (it marks assistant text)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """`dict(...)` and `dict.fromkeys(...)` without handing the template the dict type itself."""
+
+    def __call__(self, *args, **kwargs) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """A jinja namespace that refuses underscore-prefixed attributes, as transformers' does."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")

@@ -1,0 +1,177 @@
+"""One checkpoint's tokenizer, loaded from its Hugging Face files with `tokenizers` (no torch, no transformers).
+
+Loading follows transformers' `AutoTokenizer` for tokenizers that ship a `tokenizer.json`, so ids
+and text match it: `tokenizer.json` holds the model, the added tokens and the post-processor (which
+decides what `add_special_tokens` adds, such as a Llama-style BOS); the special tokens named in
+`tokenizer_config.json` are (re)registered as special, as transformers does on load; the chat
+templates come from `chat_template.py`. Facts the engine needs come from the checkpoint too: eos ids
+from `generation_config.json` merged with the tokenizer's eos, the longest sequence from
+`config.json`'s `max_position_embeddings` (else the tokenizer's `model_max_length`).
+"""
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer
+
+from services.common.errors import InvalidRequestError
+from services.tokenizer.chat_template import DEFAULT_TEMPLATE_NAME, load_chat_templates, render_chat
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+
+# The named special tokens of transformers' tokenizers (`SPECIAL_TOKENS_ATTRIBUTES`).
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers uses a huge `model_max_length` to mean "not set".
+_UNSET_MODEL_MAX_LENGTH = 10**12
+
+
+@dataclass(frozen=True)
+class CheckpointTokenizer:
+    """Encode, chat-encode and decode for one checkpoint; read-only after loading, safe to share."""
+
+    model: str
+    backend: Tokenizer
+    vocab_size: int
+    special_tokens: Mapping[str, str]  # template variables such as bos_token -> "<s>"
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    chat_templates: Mapping[str, str]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "CheckpointTokenizer":
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json; --model takes a Hugging Face checkpoint")
+        tokenizer_config = _tokenizer_config(model_dir)
+        backend = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        special_tokens = _register_special_tokens(backend, tokenizer_config)
+        bos_token_id = _token_id(backend, special_tokens.get("bos_token"))
+        eos_token_ids = _eos_token_ids(backend, special_tokens.get("eos_token"), model_dir)
+        return cls(
+            model=str(model_dir),
+            backend=backend,
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            special_tokens=special_tokens,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            max_model_len=_max_model_len(model_dir, tokenizer_config),
+            chat_templates=load_chat_templates(model_dir, tokenizer_config),
+        )
+
+    @property
+    def has_chat_template(self) -> bool:
+        return DEFAULT_TEMPLATE_NAME in self.chat_templates
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        chat_template: str = "",
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], str]:
+        """Renders the conversation and encodes it without special tokens, as `apply_chat_template` does.
+
+        `chat_template` is a template source or the name of one of the checkpoint's templates;
+        empty means the checkpoint's default. Returns the ids and the rendered text.
+        """
+        template = self._pick_template(chat_template)
+        variables = {**self.special_tokens, **(template_kwargs or {})}
+        text = render_chat(template, messages, add_generation_prompt, variables)
+        return self.encode(text, add_special_tokens=False), text
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        self.check_ids(token_ids)
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool, prefix_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+        """An incremental decoder of one generation whose text continues after `prefix_ids`."""
+        return IncrementalDetokenizer(lambda ids: self.decode(ids, skip_special_tokens), prefix_ids)
+
+    def check_ids(self, token_ids: Sequence[int]) -> None:
+        if token_ids and max(token_ids) >= self.vocab_size:
+            bad = next(i for i in token_ids if i >= self.vocab_size)
+            raise InvalidRequestError(f"token id {bad} is out of range: the vocabulary has {self.vocab_size} ids")
+
+    def _pick_template(self, chat_template: str) -> str:
+        if chat_template:
+            return self.chat_templates.get(chat_template, chat_template)
+        if self.has_chat_template:
+            return self.chat_templates[DEFAULT_TEMPLATE_NAME]
+        if self.chat_templates:
+            raise InvalidRequestError(
+                f"{self.model} has several chat templates and none named 'default'; "
+                f"pass one of {sorted(self.chat_templates)} as chat_template"
+            )
+        raise InvalidRequestError(f"{self.model} has no chat template; pass one in chat_template")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """tokenizer_config.json, with a legacy special_tokens_map.json merged over it as transformers does."""
+    config = _read_json(model_dir / "tokenizer_config.json")
+    if "added_tokens_decoder" not in config:
+        config |= _read_json(model_dir / "special_tokens_map.json")
+    return config
+
+
+def _register_special_tokens(backend: Tokenizer, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """Registers the config's special tokens as special in `backend`; returns the named ones by name.
+
+    transformers adds every named token (`bos_token`, ..., and any other `*_token` string) and every
+    extra special token to the backend as special on load, which decides what `skip_special_tokens`
+    removes and makes them match as whole tokens in text.
+    """
+    named = {key: tokenizer_config[key] for key in NAMED_SPECIAL_TOKENS if tokenizer_config.get(key)}
+    named |= {
+        key: value
+        for key, value in tokenizer_config.items()
+        if key.endswith("_token") and key not in named and isinstance(value, str) and value
+    }
+    extra = tokenizer_config.get("extra_special_tokens") or tokenizer_config.get("additional_special_tokens") or []
+    if isinstance(extra, dict):  # model-specific names, e.g. {"image_token": "<image>"}
+        named |= extra
+        extra = []
+    tokens = [_added_token(value) for value in [*named.values(), *extra]]
+    if tokens:
+        backend.add_special_tokens(tokens)
+    return {key: _added_token(value).content for key, value in named.items()}
+
+
+def _added_token(value: str | Mapping[str, Any]) -> AddedToken:
+    if isinstance(value, str):
+        return AddedToken(value, special=True, normalized=False)
+    fields = {key: value[key] for key in ("lstrip", "rstrip", "single_word", "normalized") if key in value}
+    return AddedToken(value["content"], special=True, **fields)
+
+
+def _token_id(backend: Tokenizer, token: str | None) -> int | None:
+    return None if token is None else backend.token_to_id(token)
+
+
+def _eos_token_ids(backend: Tokenizer, eos_token: str | None, model_dir: Path) -> tuple[int, ...]:
+    ids = [_token_id(backend, eos_token)]
+    configured = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    ids += configured if isinstance(configured, list) else [configured]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _max_model_len(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> int:
+    config = _read_json(model_dir / "config.json")
+    for section in (config, config.get("text_config") or {}):
+        if section.get("max_position_embeddings"):
+            return int(section["max_position_embeddings"])
+    model_max_length = tokenizer_config.get("model_max_length")
+    if model_max_length and model_max_length < _UNSET_MODEL_MAX_LENGTH:
+        return int(model_max_length)
+    raise ValueError(
+        f"{model_dir}: no max_position_embeddings in config.json and no model_max_length in tokenizer_config.json"
+    )

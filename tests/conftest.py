@@ -1,0 +1,31 @@
+"""Fixtures shared across the test suite. Append new fixtures in clearly named functions."""
+
+import socket
+
+import pytest
+
+from services.common.default_model import ensure_default_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory):
+    """The built-in default checkpoint, built once per session in a temporary cache (not ~/.cache)."""
+    return ensure_default_model(tmp_path_factory.mktemp("strata-cache"))
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port_factory():
+    """`free_port_factory() -> int`, for session- or module-scoped fixtures that start servers."""
+    return find_free_port
+
+
+@pytest.fixture
+def free_port() -> int:
+    return find_free_port()

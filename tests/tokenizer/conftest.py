@@ -1,0 +1,51 @@
+import pytest
+
+from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+
+from .checkpoints import write_llama3_style_checkpoint
+from .server_process import tokenizer_server
+
+
+@pytest.fixture(scope="session")
+def llama3_style_dir(tmp_path_factory):
+    return write_llama3_style_checkpoint(tmp_path_factory.mktemp("llama3-style"))
+
+
+@pytest.fixture(scope="session")
+def templateless_dir(tmp_path_factory):
+    return write_llama3_style_checkpoint(tmp_path_factory.mktemp("no-template"), with_chat_template=False)
+
+
+@pytest.fixture(scope="session", params=["default_model_dir", "llama3_style_dir"], ids=["default", "llama3_style"])
+def checkpoint_dir(request):
+    """Each parity checkpoint in turn: the built-in model, then the Llama-3-style tokenizer."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def hf(checkpoint_dir):
+    """transformers' AutoTokenizer for the checkpoint: the reference the service must match."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(checkpoint_dir))
+
+
+@pytest.fixture(scope="session")
+def strata(checkpoint_dir):
+    return CheckpointTokenizer.from_dir(checkpoint_dir)
+
+
+@pytest.fixture(scope="session")
+def default_server(default_model_dir, free_port_factory, tmp_path_factory):
+    """The real service on the built-in model."""
+    log_path = tmp_path_factory.mktemp("logs") / "tokenizer-default.log"
+    with tokenizer_server(default_model_dir, free_port_factory(), log_path) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def templateless_server(templateless_dir, free_port_factory, tmp_path_factory):
+    """The real service on a checkpoint without a chat template."""
+    log_path = tmp_path_factory.mktemp("logs") / "tokenizer-no-template.log"
+    with tokenizer_server(templateless_dir, free_port_factory(), log_path) as server:
+        yield server
