@@ -1,0 +1,38 @@
+"""`strata bench serve|offline|compare ...`: hands the rest of the arguments to that tool."""
+
+import importlib
+import sys
+
+TOOLS = {
+    "serve": ("services.bench.serve", "load-test a running OpenAI-compatible server"),
+    "offline": ("services.bench.offline", "the engine in-process against HF transformers"),
+    "compare": ("services.bench.compare", "two result files side by side, with ratios"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: strata bench <tool> [args...]", "", "tools:"]
+    return "\n".join(lines + [f"  {name:<8} {text}" for name, (_, text) in TOOLS.items()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in TOOLS:
+        print(f"strata bench: unknown tool {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name = TOOLS[argv[0]][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"strata bench {argv[0]}: not available yet ({module_name} is missing)", file=sys.stderr)
+        return 2
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

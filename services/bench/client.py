@@ -1,0 +1,99 @@
+"""One streamed request to an OpenAI-compatible server, timed on the client."""
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from services.bench.datasets import BenchRequest
+from services.bench.sse import SSEDecoder, TokenTimeline
+from services.bench.stats import RequestOutput
+
+MAX_REASON_CHARS = 160
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """What every request of a run shares."""
+
+    url: str  # the full endpoint URL
+    model: str
+    chat: bool
+    ignore_eos: bool = False
+    temperature: float | None = None
+    continuous_usage_stats: bool = False
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+def build_payload(settings: RequestSettings, request: BenchRequest) -> dict[str, Any]:
+    stream_options: dict[str, bool] = {"include_usage": True}
+    if settings.continuous_usage_stats:
+        stream_options["continuous_usage_stats"] = True
+    payload: dict[str, Any] = {"model": settings.model, "max_tokens": request.output_len,
+                               "stream": True, "stream_options": stream_options}
+    if settings.chat:
+        payload["messages"] = request.messages
+    else:
+        payload["prompt"] = request.prompt
+    if settings.ignore_eos:
+        payload["ignore_eos"] = True
+    if settings.temperature is not None:
+        payload["temperature"] = settings.temperature
+    payload.update(settings.extra_body)
+    return payload
+
+
+def short_reason(reason: str) -> str:
+    reason = " ".join(reason.split())
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS - 3] + "..."
+
+
+def _error_message(status: int, body: bytes) -> str:
+    try:
+        err = json.loads(body).get("error", {})
+        message = err.get("message") if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        message = body.decode(errors="replace")
+    return short_reason(f"HTTP {status}: {message or ''}")
+
+
+async def send_request(client: httpx.AsyncClient, settings: RequestSettings,
+                       request: BenchRequest) -> RequestOutput:
+    """Stream one request; never raises for a failed request (the reason is in `error`)."""
+    payload = build_payload(settings, request)
+    out = RequestOutput(prompt_tokens=request.prompt_len)
+    timeline = TokenTimeline(start=time.perf_counter())
+    try:
+        async with client.stream("POST", settings.url, json=payload) as response:
+            if response.status_code != 200:
+                out.error = _error_message(response.status_code, await response.aread())
+                return out
+            decoder = SSEDecoder()
+            async for line in response.aiter_lines():
+                data = decoder.feed(line)
+                if data is not None and not timeline.on_data(data, time.perf_counter()):
+                    break
+            else:
+                data = decoder.flush()
+                if data is not None:
+                    timeline.on_data(data, time.perf_counter())
+    except httpx.HTTPError as exc:
+        out.error = short_reason(f"{type(exc).__name__}: {exc}")
+        return out
+    end = time.perf_counter()
+    if timeline.error is not None:
+        out.error = short_reason(f"stream error: {timeline.error}")
+        return out
+    if timeline.ttft is None:
+        out.error = "no tokens in the stream"
+        return out
+    out.success = True
+    out.ttft = timeline.ttft
+    out.latency = end - timeline.start
+    out.itl = timeline.itl
+    out.output_tokens = timeline.output_tokens
+    if timeline.prompt_tokens is not None:
+        out.prompt_tokens = timeline.prompt_tokens
+    return out

@@ -1,0 +1,141 @@
+"""Sends a workload on an arrival schedule and measures it: one sweep point of `bench serve`.
+
+Arrivals follow vLLM: gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)) — burstiness 1
+is a Poisson process, lower is burstier, higher is steadier; an infinite rate sends everything at
+once. `max_concurrency` caps the requests in flight (a closed loop when the rate is infinite).
+Every run ends by itself: after the last request, or at `max_duration`, when requests still in
+flight are cancelled and those not yet sent are dropped (both counted as `cancelled`).
+"""
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from services.bench import server_metrics
+from services.bench.client import RequestSettings, send_request, short_reason
+from services.bench.datasets import BenchRequest
+from services.bench.results import RunResult
+from services.bench.stats import RequestOutput, compute_metrics
+
+# A server may count a request just after sending its last byte (in a generator's `finally`):
+# wait this long after the last response before scraping, so that count lands on the right side.
+METRICS_SETTLE_S = 0.2
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    max_duration: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.request_rate > 0:
+            raise ValueError(f"--request-rate {self.request_rate} must be > 0 (inf sends all at once)")
+        if not self.burstiness > 0:
+            raise ValueError(f"--burstiness {self.burstiness} must be > 0 (1.0 is Poisson)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency {self.max_concurrency} must be at least 1")
+        if self.max_duration is not None and not self.max_duration > 0:
+            raise ValueError(f"--max-duration {self.max_duration} must be > 0 seconds")
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if math.isfinite(self.request_rate):
+            parts.append(f"request_rate={self.request_rate:g}")
+        if self.max_concurrency is not None:
+            parts.append(f"max_concurrency={self.max_concurrency}")
+        return ",".join(parts) or "request_rate=inf"
+
+
+def arrival_offsets(num_requests: int, request_rate: float, burstiness: float,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Send time of each request in seconds after the start; the first goes at 0."""
+    if math.isinf(request_rate):
+        return np.zeros(num_requests)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests)
+    return np.concatenate(([0.0], np.cumsum(gaps[:-1]))) if num_requests else np.zeros(0)
+
+
+async def send_all(client: httpx.AsyncClient, settings: RequestSettings, requests: list[BenchRequest],
+                   plan: RunPlan, on_done: Callable[[], None] | None = None) -> tuple[list[RequestOutput], float]:
+    """Send `requests` as `plan` says; returns one output per request and the run's duration (s)."""
+    offsets = arrival_offsets(len(requests), plan.request_rate, plan.burstiness,
+                              np.random.default_rng(plan.seed))
+    outputs = [RequestOutput(cancelled=True, error="stopped by --max-duration") for _ in requests]
+    semaphore = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
+
+    async def one(index: int, request: BenchRequest) -> None:
+        try:
+            if semaphore is None:
+                outputs[index] = await send_request(client, settings, request)
+            else:
+                async with semaphore:
+                    outputs[index] = await send_request(client, settings, request)
+        except Exception as exc:  # a malformed response must fail this request, not the run
+            outputs[index] = RequestOutput(error=short_reason(f"client error: {type(exc).__name__}: {exc}"))
+        if on_done is not None:
+            on_done()
+
+    start = time.perf_counter()
+    deadline = start + plan.max_duration if plan.max_duration else math.inf
+    tasks = []
+    for index, (request, offset) in enumerate(zip(requests, offsets)):
+        send_at = start + float(offset)
+        if send_at >= deadline:
+            break
+        delay = send_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(index, request)))
+    if tasks:
+        timeout = deadline - time.perf_counter() if math.isfinite(deadline) else None
+        _, pending = await asyncio.wait(tasks, timeout=None if timeout is None else max(timeout, 0.0))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return outputs, time.perf_counter() - start
+
+
+def request_samples(outputs: list[RequestOutput]) -> list[dict]:
+    """Per-request samples in ms, as stored with `--save-detailed` and used by the plots."""
+    return [{"success": o.success, "error": o.error, "prompt_tokens": o.prompt_tokens,
+             "output_tokens": o.output_tokens, "ttft_ms": o.ttft * 1000.0, "e2el_ms": o.latency * 1000.0,
+             "itl_ms": [gap * 1000.0 for gap in o.itl]} for o in outputs]
+
+
+def error_counts(outputs: list[RequestOutput]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for o in outputs:
+        if not o.success and not o.cancelled:
+            counts[o.error] = counts.get(o.error, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+async def run_point(client: httpx.AsyncClient, settings: RequestSettings, requests: list[BenchRequest],
+                    warmups: list[BenchRequest], plan: RunPlan, metrics_url: str | None,
+                    percentiles: list[float], goodput_slos_ms: dict[str, float],
+                    on_done: Callable[[], None] | None = None) -> RunResult:
+    """Warm up (not counted), scrape `/metrics`, run, scrape again, summarise."""
+    if warmups:
+        await send_all(client, settings, warmups, RunPlan(max_concurrency=plan.max_concurrency, seed=plan.seed))
+        await asyncio.sleep(METRICS_SETTLE_S)  # so the warmups' counts land before the first scrape
+    before = await server_metrics.scrape(client, metrics_url) if metrics_url else None
+    outputs, duration = await send_all(client, settings, requests, plan, on_done)
+    if before is not None:
+        await asyncio.sleep(METRICS_SETTLE_S)
+    after = await server_metrics.scrape(client, metrics_url) if before is not None else None
+    params = {"request_rate": plan.request_rate if math.isfinite(plan.request_rate) else "inf",
+              "burstiness": plan.burstiness, "max_concurrency": plan.max_concurrency,
+              "num_prompts": len(requests)}
+    return RunResult(label=plan.label, params=params,
+                     metrics=compute_metrics(outputs, duration, percentiles, goodput_slos_ms),
+                     server_metrics=server_metrics.diff(before, after), errors=error_counts(outputs),
+                     samples=request_samples(outputs))
