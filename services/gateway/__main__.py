@@ -1,0 +1,54 @@
+"""``python -m services.gateway --port 8000 --tokenizer-addr H:P --engine-addr H:P`` (also
+``strata gateway ...``). Flags are named like ``vllm serve``'s where the meaning is the same."""
+
+import argparse
+import logging
+import os
+
+import uvicorn
+
+from services.gateway.app import GatewayConfig, create_app
+from services.gateway.validation import Limits
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    defaults = Limits()
+    parser = argparse.ArgumentParser(prog="strata gateway", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--tokenizer-addr", required=True, help="host:port of the tokenizer service")
+    parser.add_argument("--engine-addr", required=True, help="host:port of an engine or the router")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: the engine's model)")
+    parser.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $STRATA_API_KEY)")
+    parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n per request")
+    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
+    parser.add_argument("--max-prompts", type=int, default=defaults.max_prompts,
+                        help="most prompts in one /v1/completions request")
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    parser.add_argument("--request-timeout", type=float, default=3600.0,
+                        help="deadline of one generation, seconds")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = GatewayConfig(
+            tokenizer_addr=args.tokenizer_addr, engine_addr=args.engine_addr,
+            served_model_name=args.served_model_name, api_key=args.api_key,
+            limits=Limits(max_n=args.max_n, max_stop_strings=args.max_stop_strings,
+                          max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes),
+            request_timeout_s=args.request_timeout)
+    except ValueError as error:
+        raise SystemExit(f"strata gateway: {error}")
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The gateway's FastAPI app: routes, error handlers and middleware around one ``Upstream``."""
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.gateway import chat, completions, errors
+from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from services.gateway.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ErrorCountMiddleware,
+                                         RequestIdMiddleware)
+from services.gateway.serving import GatewayState, gateway_state
+from services.gateway.upstream import Upstream
+from services.gateway.validation import Limits
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    tokenizer_addr: str
+    engine_addr: str
+    served_model_name: str | None = None
+    api_key: str | None = None
+    limits: Limits = Limits()
+    rpc_timeout_s: float = 30.0
+    request_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        limits = self.limits
+        for name in ("max_n", "max_stop_strings", "max_prompts", "max_body_bytes"):
+            if getattr(limits, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(limits, name)}")
+        if self.request_timeout_s <= 0 or self.rpc_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0 seconds")
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        upstream = Upstream(config.tokenizer_addr, config.engine_addr, config.served_model_name,
+                            rpc_timeout_s=config.rpc_timeout_s,
+                            generate_timeout_s=config.request_timeout_s)
+        app.state.gateway = GatewayState(upstream, metrics, config.limits)
+        try:
+            yield
+        finally:
+            await upstream.close()
+
+    app = FastAPI(title="Strata gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    errors.install_handlers(app)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        facts = await gateway_state(request).upstream.facts()
+        model = {"id": facts.name, "object": "model", "created": int(time.time()),
+                 "owned_by": "strata", "root": facts.name, "parent": None,
+                 "max_model_len": facts.max_model_len}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        upstreams = await gateway_state(request).upstream.health()
+        if all(upstreams.values()):
+            return JSONResponse({"status": "ok", **upstreams})
+        down = ", ".join(name for name, ok in upstreams.items() if not ok)
+        error = errors.OpenAIError(f"upstream not serving: {down}", 503)
+        return JSONResponse({**error.body(), **upstreams}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # Outermost last: the request id covers every response, 401 and 413 included.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ErrorCountMiddleware, counter=metrics.request_errors)
+    app.add_middleware(RequestIdMiddleware)
+    return app

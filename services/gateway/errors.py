@@ -1,0 +1,152 @@
+"""The gateway's error contract: every failure reaches the client as an OpenAI-shaped error.
+
+Body: ``{"error": {"message", "type", "param", "code"}}``. A request that can never succeed gets a
+4xx that the `openai` client does not retry (never 408/409/429/5xx); an upstream that is down or
+overloaded gets 503. Once an SSE stream has started, the same body goes out as one
+``data: {"error": ...}`` event followed by ``data: [DONE]`` (see ``sse.py``).
+"""
+
+from http import HTTPStatus
+
+import grpc
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# OpenAI's error types by status; the client only reads the status, people read the type.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    501: "not_implemented_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+# Upstream gRPC status -> HTTP status. Anything not listed is a bug somewhere: 500.
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+}
+
+
+class OpenAIError(Exception):
+    """An error the client should see as ``status`` with an OpenAI error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | int | None = None, error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPES.get(status, "internal_server_error" if status >= 500
+                                                   else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type,
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(message, 400, param=param)
+
+
+def context_length_exceeded(max_model_len: int, num_input_tokens: int) -> OpenAIError:
+    return OpenAIError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+        f"{num_input_tokens} input tokens. Please reduce the length of the input messages.",
+        400, param="input_tokens", code="context_length_exceeded")
+
+
+def max_tokens_too_large(max_tokens: int, max_model_len: int, num_input_tokens: int,
+                         param: str = "max_tokens") -> OpenAIError:
+    return OpenAIError(
+        f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
+        f"{max_model_len} tokens and your request has {num_input_tokens} input tokens "
+        f"({max_tokens} > {max_model_len} - {num_input_tokens}).",
+        400, param=param)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(f"The model `{model}` does not exist.", 404, param="model",
+                       code="model_not_found")
+
+
+def invalid_api_key() -> OpenAIError:
+    return OpenAIError("Incorrect API key provided.", 401, code="invalid_api_key")
+
+
+def body_too_large(max_body_bytes: int) -> OpenAIError:
+    return OpenAIError(f"Request body is larger than the limit of {max_body_bytes} bytes.", 413,
+                       code="request_too_large")
+
+
+def from_grpc(error: grpc.RpcError, upstream: str) -> OpenAIError:
+    """Maps an upstream gRPC failure; INVALID_ARGUMENT keeps the upstream's message (it is the
+    client's mistake, said by the service that knows), the rest name the upstream."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(code)
+    status = _GRPC_TO_HTTP.get(code, 500)
+    if status == 400:
+        return OpenAIError(details, 400)
+    return OpenAIError(f"{upstream} failed: {code.name}: {details}", status, code=code.name.lower())
+
+
+def from_validation_error(exc: RequestValidationError) -> OpenAIError:
+    """FastAPI's 422 -> an OpenAI 400 naming the first offending field."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("Invalid request body.")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"Request body is not valid JSON: {first.get('msg', '')}".rstrip(": "))
+    param = ".".join(loc) or None
+    messages = []
+    for error in errors[:3]:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        messages.append(f"{where}: {error.get('msg', 'invalid value')}")
+    return bad_request("Invalid request: " + "; ".join(messages), param=param)
+
+
+def install_handlers(app) -> None:
+    """Makes FastAPI answer every error, its own included, with an OpenAI body."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
+        # Client errors that are FastAPI's own (unknown route, wrong method) are not retryable.
+        return OpenAIError(message, status).response()
+
+    @app.exception_handler(grpc.RpcError)
+    async def _grpc_error(_: Request, exc: grpc.RpcError) -> JSONResponse:
+        return from_grpc(exc, "upstream").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).response()

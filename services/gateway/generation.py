@@ -1,0 +1,194 @@
+"""One request's choices: n Generate streams per prompt, each detokenized through its own
+Detokenize stream and cut at stop strings, merged into one stream of ``Step``s.
+
+Contract: every choice yields steps until exactly one step with a ``finish_reason``. Cancelling
+(``FanOut.cancel()``, a client disconnect, or a stop string) cancels that choice's Generate call,
+which aborts the request in the engine and frees its KV blocks.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.pb import engine_pb2, tokenizer_pb2
+from services.gateway import errors
+from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.upstream import Upstream
+from services.gateway.validation import GenerationParams
+
+# Prompt ids handed to Detokenize as context, so the first token's text (leading spaces,
+# SentencePiece markers) comes out as it does inside the whole sequence.
+_DETOKENIZE_PREFIX_IDS = 8
+
+_FINISH_REASONS = {
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass
+class ChoiceSpec:
+    """One choice to generate: its index in the response and its engine request."""
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    request: engine_pb2.GenerateRequest
+
+
+@dataclass
+class Step:
+    """New output of one choice. ``text`` is final (stop strings already applied)."""
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[engine_pb2.SampledLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def plan_choices(request_id: str, prompts: list[list[int]], max_tokens: list[int],
+                 params: GenerationParams) -> list[ChoiceSpec]:
+    """n choices per prompt; choice index = prompt_index * n + i, as vLLM numbers them."""
+    specs = []
+    for prompt_index, (prompt_ids, prompt_max_tokens) in enumerate(zip(prompts, max_tokens)):
+        for i in range(params.n):
+            index = prompt_index * params.n + i
+            request = engine_pb2.GenerateRequest(
+                request_id=f"{request_id}-{index}", prompt_token_ids=prompt_ids,
+                sampling=params.sampling_proto(i), stop=params.stop_proto(prompt_max_tokens),
+                cache_salt=params.cache_salt)
+            specs.append(ChoiceSpec(index, prompt_index, prompt_ids, request))
+    return specs
+
+
+class _Detokenizer:
+    """One Detokenize bidi stream: ids in, text deltas out, one reply per write."""
+
+    def __init__(self, upstream: Upstream, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+        self._call = upstream.tokenizer.Detokenize(timeout=upstream.generate_timeout_s)
+        self._first = tokenizer_pb2.DetokenizeRequest(
+            skip_special_tokens=skip_special_tokens,
+            prefix_token_ids=prompt_ids[-_DETOKENIZE_PREFIX_IDS:])
+        self._opened = False
+
+    async def push(self, token_ids) -> str:
+        if not token_ids:
+            return ""
+        request = tokenizer_pb2.DetokenizeRequest(token_ids=token_ids)
+        if not self._opened:
+            self._first.token_ids.extend(token_ids)
+            request, self._opened = self._first, True
+        await self._call.write(request)
+        reply = await self._call.read()
+        if reply is grpc.aio.EOF:
+            raise errors.OpenAIError("tokenizer closed the Detokenize stream early", 502)
+        return reply.text_delta
+
+    async def finish(self) -> str:
+        """Half-closes the stream and returns any text the tokenizer still held."""
+        if not self._opened:
+            return ""
+        await self._call.done_writing()
+        tail = ""
+        while (reply := await self._call.read()) is not grpc.aio.EOF:
+            tail += reply.text_delta
+        return tail
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
+                     eos_token_ids: frozenset[int]) -> AsyncIterator[Step]:
+    generate = upstream.engine.Generate(spec.request, timeout=upstream.generate_timeout_s)
+    detokenizer = _Detokenizer(upstream, spec.prompt_ids, params.skip_special_tokens)
+    matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+    num_tokens = 0
+    where = "engine"
+    try:
+        async for output in generate:
+            num_tokens += len(output.token_ids)
+            where = "tokenizer"
+            text = await detokenizer.push(output.token_ids)
+            finish = _FINISH_REASONS.get(output.finish_reason)
+            if finish is not None:
+                text += await detokenizer.finish()
+            where = "engine"
+            match = matcher.feed(text, can_stop=num_tokens >= params.min_tokens)
+            step = Step(spec.index, match.text, list(output.token_ids), list(output.logprobs),
+                        prompt_tokens=output.usage.prompt_tokens or len(spec.prompt_ids),
+                        completion_tokens=output.usage.completion_tokens or num_tokens,
+                        cached_tokens=output.usage.cached_prompt_tokens)
+            if match.stop is not None:
+                step.finish_reason, step.stop_reason = "stop", match.stop
+                yield step
+                return
+            if finish is not None:
+                step.text += matcher.flush()
+                step.finish_reason = finish
+                if output.HasField("stop_token_id") and output.stop_token_id not in eos_token_ids:
+                    step.stop_reason = output.stop_token_id
+                yield step
+                return
+            yield step
+        raise errors.OpenAIError("engine ended the stream without a finish reason", 502)
+    except grpc.RpcError as error:
+        raise errors.from_grpc(error, where) from None
+    finally:
+        generate.cancel()
+        detokenizer.cancel()
+
+
+class FanOut:
+    """Runs every choice concurrently and merges their steps in arrival order. ``cancel()`` is
+    synchronous so it also works from a cancelled task's cleanup."""
+
+    _DONE = object()
+
+    def __init__(self, upstream: Upstream, specs: list[ChoiceSpec], params: GenerationParams,
+                 eos_token_ids: frozenset[int]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(run_choice(upstream, spec, params, eos_token_ids)))
+                       for spec in specs]
+        self._remaining = len(self._tasks)
+        self._cancelled = False
+        self.finished = False  # every choice ran to its finish step
+
+    async def _pump(self, steps: AsyncIterator[Step]) -> None:
+        try:
+            async for step in steps:
+                self._queue.put_nowait(step)
+        except Exception as error:  # handed to the consumer, which raises it
+            self._queue.put_nowait(error)
+        finally:
+            self._queue.put_nowait(self._DONE)
+
+    def __aiter__(self) -> "FanOut":
+        return self
+
+    async def __anext__(self) -> Step:
+        while self._remaining:
+            item = await self._queue.get()
+            if item is self._DONE:
+                self._remaining -= 1
+                continue
+            if isinstance(item, Exception):
+                self.cancel()
+                if isinstance(item, errors.OpenAIError):
+                    raise item
+                raise errors.OpenAIError(f"internal error: {item!r}", 500) from item
+            return item
+        self.finished = not self._cancelled
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._remaining = 0
+        for task in self._tasks:
+            task.cancel()

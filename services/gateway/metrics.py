@@ -1,0 +1,43 @@
+"""The gateway's Prometheus metrics, vLLM's shapes under the ``strata:`` prefix, in a registry of
+its own (one per app, so tests never share state)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                          5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.request_success = Counter(
+            "strata:request_success", "Finished choices, by finish reason.",
+            labels + ["finished_reason"], registry=self.registry)
+        self.request_errors = Counter(
+            "strata:request_errors", "Requests answered with an error, by HTTP status.",
+            ["status_code"], registry=self.registry)
+        self.prompt_tokens = Counter(
+            "strata:prompt_tokens", "Prompt tokens of served requests.", labels, registry=self.registry)
+        self.generation_tokens = Counter(
+            "strata:generation_tokens", "Generated tokens.", labels, registry=self.registry)
+        self.num_requests_running = Gauge(
+            "strata:num_requests_running", "Requests in flight at the gateway.", labels,
+            registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "strata:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.time_per_output_token = Histogram(
+            "strata:request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.", labels,
+            buckets=_TOKEN_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e_latency = Histogram(
+            "strata:e2e_request_latency_seconds", "Time from arrival to the last token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,121 @@
+"""HTTP plumbing around every route, as pure ASGI middleware (they never buffer a stream):
+``x-request-id`` on every response, API-key auth on ``/v1``, and the request-body size limit."""
+
+import hmac
+import uuid
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway import errors
+
+_MAX_REQUEST_ID_LEN = 128
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
+    return None
+
+
+def _clean_request_id(raw: bytes | None) -> str | None:
+    if not raw:
+        return None
+    text = raw.decode("latin-1")[:_MAX_REQUEST_ID_LEN]
+    return text if text.isprintable() and text.isascii() else None
+
+
+async def _send_error(send: Send, error: errors.OpenAIError) -> None:
+    response = error.response()
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class RequestIdMiddleware:
+    """Echoes the client's ``x-request-id`` or makes one; handlers read it as
+    ``request.state.request_id``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = _clean_request_id(_header(scope, b"x-request-id")) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class ApiKeyMiddleware:
+    """401 on ``/v1/*`` unless ``Authorization: Bearer <key>`` matches (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = _header(scope, b"authorization") or b""
+            if not hmac.compare_digest(given, self._expected):
+                return await _send_error(send, errors.invalid_api_key())
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 when the body is over ``max_body_bytes``, by Content-Length or while it streams in."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await _send_error(send, errors.body_too_large(self.max_body_bytes))
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    # FastAPI re-raises an HTTPException from body reading; the app's handler
+                    # turns it into an OpenAI error.
+                    raise HTTPException(413, errors.body_too_large(self.max_body_bytes).message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class ErrorCountMiddleware:
+    """Counts responses with status >= 400 by status code."""
+
+    def __init__(self, app: ASGIApp, counter) -> None:
+        self.app = app
+        self._counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self._counter.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,33 @@
+"""Server-sent events framing as OpenAI and vLLM send it: ``data: <json>\\n\\n`` per event and
+``data: [DONE]\\n\\n`` last. An error after the stream started is one ``data: {"error": ...}``
+event and then ``[DONE]`` (the `openai` client raises on an event with an ``error`` key)."""
+
+import json
+
+from services.gateway.errors import OpenAIError
+
+DONE = b"data: [DONE]\n\n"
+MEDIA_TYPE = "text/event-stream"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_events(error: OpenAIError) -> list[bytes]:
+    return [event(error.body()), DONE]
+
+
+def parse(raw: bytes | str) -> list[dict | str]:
+    """Parses a whole SSE body into its data payloads ("[DONE]" stays a string). For tests and
+    tools; a payload that is not JSON raises."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    payloads: list[dict | str] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        data = "\n".join(line[len("data: "):] if line.startswith("data: ") else line[len("data:"):]
+                         for line in block.split("\n") if line.startswith("data:"))
+        payloads.append(data if data == "[DONE]" else json.loads(data))
+    return payloads

@@ -1,0 +1,102 @@
+"""The gateway's async gRPC clients to the tokenizer and the engine (or a router in front of
+engines). Every unary call has a deadline; a failure becomes an ``OpenAIError`` (INVALID_ARGUMENT
+-> 400, UNAVAILABLE -> 503, ...). Streaming calls are opened by ``generation.py``, which owns
+their cancellation.
+"""
+
+import asyncio
+import json
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from services.gateway import errors
+from services.gateway.validation import MAX_TOP_LOGPROBS, ModelFacts
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+_MAX_CONCURRENT_DECODES = 32
+
+
+class Upstream:
+    """Channels and stubs of one tokenizer and one engine; create inside the event loop."""
+
+    def __init__(self, tokenizer_addr: str, engine_addr: str, served_model_name: str | None = None,
+                 rpc_timeout_s: float = 30.0, generate_timeout_s: float = 3600.0) -> None:
+        self._tokenizer_channel = grpc.aio.insecure_channel(tokenizer_addr, options=_CHANNEL_OPTIONS)
+        self._engine_channel = grpc.aio.insecure_channel(engine_addr, options=_CHANNEL_OPTIONS)
+        self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel)
+        self.engine = engine_pb2_grpc.EngineStub(self._engine_channel)
+        self.rpc_timeout_s = rpc_timeout_s
+        self.generate_timeout_s = generate_timeout_s
+        self._served_model_name = served_model_name
+        self._facts: ModelFacts | None = None
+        self._token_texts: dict[int, str] = {}
+        self._decode_slots = asyncio.Semaphore(_MAX_CONCURRENT_DECODES)
+
+    async def close(self) -> None:
+        await asyncio.gather(self._tokenizer_channel.close(), self._engine_channel.close())
+
+    async def facts(self) -> ModelFacts:
+        """The served model's facts, fetched once from the engine and the tokenizer."""
+        if self._facts is None:
+            engine_info, tokenizer_info = await asyncio.gather(
+                self._unary("engine", self.engine.Info, engine_pb2.EngineInfoRequest(), 5.0),
+                self._unary("tokenizer", self.tokenizer.Info, tokenizer_pb2.TokenizerInfoRequest(), 5.0))
+            self._facts = ModelFacts(
+                name=self._served_model_name or engine_info.model,
+                max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
+                vocab_size=engine_info.vocab_size or tokenizer_info.vocab_size,
+                max_logprobs=engine_info.max_logprobs or MAX_TOP_LOGPROBS,
+                eos_token_ids=frozenset(tokenizer_info.eos_token_ids))
+        return self._facts
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        request = tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self._unary("tokenizer", self.tokenizer.Encode, request)).token_ids)
+
+    async def encode_chat(self, messages: list[tokenizer_pb2.ChatMessage], add_generation_prompt: bool,
+                          chat_template: str | None, template_kwargs: dict | None) -> list[int]:
+        request = tokenizer_pb2.EncodeChatRequest(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template or "",
+            template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "")
+        return list((await self._unary("tokenizer", self.tokenizer.EncodeChat, request)).token_ids)
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        request = tokenizer_pb2.DecodeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self._unary("tokenizer", self.tokenizer.Decode, request)).text
+
+    async def token_texts(self, token_ids: set[int]) -> dict[int, str]:
+        """The text of each single token (special tokens included), as logprobs show it; cached."""
+        missing = [i for i in token_ids if i not in self._token_texts]
+
+        async def fetch(token_id: int) -> None:
+            async with self._decode_slots:
+                self._token_texts[token_id] = await self.decode([token_id], skip_special_tokens=False)
+
+        await asyncio.gather(*(fetch(i) for i in missing))
+        return {i: self._token_texts[i] for i in token_ids}
+
+    async def health(self) -> dict[str, bool]:
+        """Whether each upstream's gRPC health check answers SERVING."""
+        async def serving(channel: grpc.aio.Channel) -> bool:
+            try:
+                response = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            except grpc.RpcError:
+                return False
+            return response.status == health_pb2.HealthCheckResponse.SERVING
+
+        tokenizer_ok, engine_ok = await asyncio.gather(serving(self._tokenizer_channel),
+                                                       serving(self._engine_channel))
+        return {"tokenizer": tokenizer_ok, "engine": engine_ok}
+
+    async def _unary(self, upstream: str, method, request, timeout_s: float | None = None):
+        try:
+            return await method(request, timeout=timeout_s or self.rpc_timeout_s)
+        except grpc.RpcError as error:
+            raise errors.from_grpc(error, upstream) from None

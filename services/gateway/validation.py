@@ -1,0 +1,263 @@
+"""Request validation: OpenAI bodies -> one validated ``GenerationParams``, and the per-prompt
+checks against the context length. Every rule raises an ``OpenAIError`` (400/404) naming the
+parameter, so a request that can never succeed is refused before it reaches the engine.
+
+Rules follow vLLM where OpenAI is silent: ``top_k`` -1 or 0 is off; ``n`` > 1 with greedy sampling
+(temperature 0) is refused, as vLLM does ("n must be 1 when using greedy sampling"); with a
+``seed`` and ``n`` > 1, choice i samples with ``seed + i`` (vLLM's parallel sampling).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from services.common.pb import engine_pb2
+from services.gateway import errors
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's cap on chat top_logprobs
+_UINT64 = 1 << 64
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What validation needs to know about the served model (from the engine and tokenizer)."""
+    name: str
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int = MAX_TOP_LOGPROBS
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request caps, each set by a gateway flag."""
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_prompts: int = 64
+    max_body_bytes: int = 8 << 20
+
+
+@dataclass
+class GenerationParams:
+    """A validated request, independent of any one prompt."""
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    max_tokens: int | None = None  # None: the rest of the context
+    max_tokens_param: str = "max_tokens"
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    num_logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    echo: bool = False
+    cache_salt: str = ""
+    sampling: dict = field(default_factory=dict)  # engine SamplingParams fields that were set
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling.get("temperature", 1.0) == 0.0
+
+    def sampling_proto(self, choice_index: int) -> engine_pb2.SamplingParams:
+        """The engine's sampling params of choice ``choice_index`` (its own seed when seeded)."""
+        proto = engine_pb2.SamplingParams(**self.sampling)
+        if self.seed is not None:
+            proto.seed = (self.seed + choice_index) % _UINT64
+        if self.num_logprobs is not None:
+            proto.logprobs = self.num_logprobs
+        return proto
+
+    def stop_proto(self, max_tokens: int) -> engine_pb2.StopCriteria:
+        return engine_pb2.StopCriteria(max_tokens=max_tokens, min_tokens=self.min_tokens,
+                                       stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise errors.bad_request(message, param=param)
+
+
+def _check_finite(value: float | None, param: str) -> None:
+    _check(value is None or math.isfinite(value), f"{param} must be a finite number, got {value}.", param)
+
+
+def _token_id_ok(token_id: int, facts: ModelFacts) -> bool:
+    return 0 <= token_id < facts.vocab_size
+
+
+def check_model(requested: str | None, facts: ModelFacts) -> None:
+    if requested is not None and requested != facts.name:
+        raise errors.model_not_found(requested)
+
+
+def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> GenerationParams:
+    check_model(req.model, facts)
+    params = GenerationParams()
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        _check_finite(getattr(req, name), name)
+
+    _check(1 <= req.n <= limits.max_n, f"n must be between 1 and {limits.max_n}, got {req.n}.", "n")
+    params.n = req.n
+    _check(req.stream or req.stream_options is None,
+           "Stream options can only be defined when `stream=True`.", "stream_options")
+    params.stream = req.stream
+    if req.stream_options is not None:
+        params.include_usage = bool(req.stream_options.include_usage)
+        params.continuous_usage_stats = bool(req.stream_options.continuous_usage_stats)
+
+    sampling = params.sampling
+    if req.temperature is not None:
+        _check(req.temperature >= 0, f"temperature must be non-negative, got {req.temperature}.",
+               "temperature")
+        sampling["temperature"] = req.temperature
+    if req.top_p is not None:
+        _check(0 < req.top_p <= 1, f"top_p must be in (0, 1], got {req.top_p}.", "top_p")
+        sampling["top_p"] = req.top_p
+    if req.top_k is not None:
+        _check(req.top_k >= -1, f"top_k must be -1 or 0 (disable), or at least 1, got {req.top_k}.",
+               "top_k")
+        sampling["top_k"] = max(req.top_k, 0)
+    if req.min_p is not None:
+        _check(0 <= req.min_p <= 1, f"min_p must be in [0, 1], got {req.min_p}.", "min_p")
+        sampling["min_p"] = req.min_p
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}.", name)
+            sampling[name] = value
+    if req.repetition_penalty is not None:
+        _check(req.repetition_penalty > 0,
+               f"repetition_penalty must be greater than zero, got {req.repetition_penalty}.",
+               "repetition_penalty")
+        sampling["repetition_penalty"] = req.repetition_penalty
+    if req.logit_bias:
+        sampling["logit_bias"] = _logit_bias(req.logit_bias, facts)
+    _check(not (params.is_greedy and req.n > 1),
+           f"n must be 1 when using greedy sampling, got {req.n}.", "n")
+    if req.seed is not None:
+        params.seed = req.seed % _UINT64
+
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    _check(len(stops) <= limits.max_stop_strings,
+           f"At most {limits.max_stop_strings} stop strings are allowed, got {len(stops)}.", "stop")
+    _check(all(stops), "Stop strings must not be empty.", "stop")
+    params.stop = stops
+    params.include_stop_str_in_output = req.include_stop_str_in_output
+    params.skip_special_tokens = req.skip_special_tokens
+
+    ids = list(req.stop_token_ids or [])
+    _check(all(_token_id_ok(i, facts) for i in ids),
+           f"stop_token_ids must be in [0, {facts.vocab_size}), got {ids}.", "stop_token_ids")
+    params.stop_token_ids = ids
+    params.ignore_eos = req.ignore_eos
+    _check(req.min_tokens >= 0, f"min_tokens must be non-negative, got {req.min_tokens}.", "min_tokens")
+    params.min_tokens = req.min_tokens
+    params.cache_salt = req.cache_salt or ""
+    return params
+
+
+def _logit_bias(bias: dict[str, float], facts: ModelFacts) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise errors.bad_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias")
+        _check(_token_id_ok(token_id, facts),
+               f"logit_bias token id {token_id} is out of vocabulary (size {facts.vocab_size}).",
+               "logit_bias")
+        _check(math.isfinite(value) and -100 <= value <= 100,
+               f"logit_bias values must be in [-100, 100], got {value}.", "logit_bias")
+        out[token_id] = value
+    return out
+
+
+def _max_tokens(params: GenerationParams, value: int | None, param: str) -> None:
+    if value is None:
+        return
+    _check(value >= 1, f"{param} must be at least 1, got {value}.", param)
+    _check(params.min_tokens <= value,
+           f"min_tokens must be less than or equal to {param}={value}, got {params.min_tokens}.",
+           "min_tokens")
+    params.max_tokens, params.max_tokens_param = value, param
+
+
+def validate_chat(req: ChatCompletionRequest, facts: ModelFacts, limits: Limits) -> GenerationParams:
+    params = _common(req, facts, limits)
+    _check(len(req.messages) > 0, "messages must contain at least one message.", "messages")
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for part in message.content:
+                _check(part.type == "text" and part.text is not None,
+                       f"Only text content parts are supported, got {part.type!r}.",
+                       f"messages.[{i}].content")
+    if req.max_completion_tokens is not None:
+        _max_tokens(params, req.max_completion_tokens, "max_completion_tokens")
+    else:
+        _max_tokens(params, req.max_tokens, "max_tokens")
+    if req.top_logprobs is not None:
+        _check(bool(req.logprobs), "when using `top_logprobs`, `logprobs` must be set to true.",
+               "top_logprobs")
+        cap = min(MAX_TOP_LOGPROBS, facts.max_logprobs)
+        _check(0 <= req.top_logprobs <= cap,
+               f"top_logprobs must be between 0 and {cap}, got {req.top_logprobs}.", "top_logprobs")
+    if req.logprobs:
+        params.num_logprobs = req.top_logprobs or 0
+    return params
+
+
+def validate_completion(req: CompletionRequest, facts: ModelFacts, limits: Limits) -> GenerationParams:
+    params = _common(req, facts, limits)
+    _check(req.suffix is None, "suffix is not currently supported.", "suffix")
+    _check(req.best_of is None or req.best_of == req.n,
+           f"best_of is not supported (use n); got best_of={req.best_of}, n={req.n}.", "best_of")
+    _max_tokens(params, req.max_tokens, "max_tokens")
+    if req.logprobs is not None:
+        _check(0 <= req.logprobs <= facts.max_logprobs,
+               f"logprobs must be between 0 and {facts.max_logprobs}, got {req.logprobs}.", "logprobs")
+        _check(not req.echo, "echo together with logprobs is not supported (no prompt logprobs).",
+               "echo")
+        params.num_logprobs = req.logprobs
+    params.echo = req.echo
+    prompts = completion_prompts(req)
+    _check(0 < len(prompts) <= limits.max_prompts,
+           f"prompt must hold between 1 and {limits.max_prompts} prompts, got {len(prompts)}.", "prompt")
+    _check(len(prompts) * params.n <= limits.max_prompts * limits.max_n,
+           "Too many choices requested (prompts × n).", "n")
+    for prompt in prompts:
+        if isinstance(prompt, list):
+            _check(all(_token_id_ok(i, facts) for i in prompt),
+                   f"Token ids in prompt must be in [0, {facts.vocab_size}).", "prompt")
+    return params
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompt field as a list of prompts, each a text or a list of token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def resolve_max_tokens(params: GenerationParams, num_prompt_tokens: int, facts: ModelFacts) -> int:
+    """The max_tokens of one prompt: the requested one, or the rest of the context."""
+    _check(num_prompt_tokens > 0, "The prompt is empty; it must have at least one token.", "prompt")
+    if num_prompt_tokens >= facts.max_model_len:
+        raise errors.context_length_exceeded(facts.max_model_len, num_prompt_tokens)
+    room = facts.max_model_len - num_prompt_tokens
+    if params.max_tokens is None:
+        _check(params.min_tokens <= room,
+               f"min_tokens={params.min_tokens} does not fit: the prompt leaves {room} tokens of "
+               f"the {facts.max_model_len}-token context.", "min_tokens")
+        return room
+    if params.max_tokens > room:
+        raise errors.max_tokens_too_large(params.max_tokens, facts.max_model_len, num_prompt_tokens,
+                                          params.max_tokens_param)
+    return params.max_tokens

@@ -1,0 +1,336 @@
+"""`strata up`: the whole stack on loopback, tokenizer + engine + gateway, as child processes.
+
+    strata up [--model DIR] [--port 8000] [--max-num-seqs 8] [--engine-args "--block-size 32"]
+
+Builds the default model when no --model is given, picks free ports for the internal services,
+waits until each one is healthy (gRPC health for the tokenizer and engine, HTTP /health for the
+gateway), prints the base URL and a curl example, and prefixes each child's log lines
+(``[engine] ...``), or writes them to files under --log-dir. Ctrl-C or SIGTERM stops the children:
+SIGTERM first, SIGKILL after a grace period. Children also get SIGTERM if the launcher dies
+(Linux parent-death signal), so none are left behind.
+
+``Stack`` is the same machinery as a library (the end-to-end tests start the stack with it).
+"""
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+_TAIL_LINES = 40
+_POLL_S = 0.2
+_PR_SET_PDEATHSIG = 1
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class StartupError(RuntimeError):
+    """A service did not become healthy; the message names it and shows the tail of its log."""
+
+
+class Service:
+    """One child process whose output is read line by line: prefixed to our stdout and/or written
+    to a log file, the last lines kept for error messages."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path | None, echo: bool) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self._echo = echo
+        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    def spawn(self) -> None:
+        self.process = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def start_reader(self) -> None:
+        self._reader = threading.Thread(target=self._read, name=f"log-{self.name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        log_file: IO[str] | None = open(self.log_path, "a", encoding="utf-8") if self.log_path else None
+        try:
+            for raw in self.process.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                self._tail.append(line)
+                if log_file:
+                    log_file.write(line + "\n")
+                    log_file.flush()
+                if self._echo:
+                    print(f"[{self.name}] {line}", flush=True)
+        finally:
+            if log_file:
+                log_file.close()
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def tail(self) -> str:
+        if self._reader is not None:
+            self._reader.join(timeout=1.0)  # let the last lines of a dead child arrive
+        return "\n".join(f"  [{self.name}] {line}" for line in self._tail) or f"  [{self.name}] (no output)"
+
+    def terminate(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
+    def wait_or_kill(self, deadline: float) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class StackConfig:
+    model: str | None = None  # None: the built-in default model
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    engine_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    echo_logs: bool = True
+    startup_timeout_s: float = 300.0
+    grace_s: float = 10.0
+    cache_dir: Path | None = None  # where the default model is built (None: its own default)
+
+
+class Stack:
+    """Starts and stops the three services. Use as a context manager, or ``start()``/``stop()``."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.services: list[Service] = []
+        self.tokenizer_addr = ""
+        self.engine_addr = ""
+        self.model_name = ""
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+        return f"http://{host}:{self.config.port}"
+
+    def __enter__(self) -> "Stack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        config = self.config
+        model_dir = config.model
+        self.model_name = config.served_model_name or config.model or ""
+        if model_dir is None:
+            from services.common.default_model import MODEL_NAME, ensure_default_model
+            model_dir = str(ensure_default_model(config.cache_dir))
+            self.model_name = config.served_model_name or MODEL_NAME
+        tokenizer_port, engine_port = find_free_port(), find_free_port()
+        self.tokenizer_addr, self.engine_addr = f"127.0.0.1:{tokenizer_port}", f"127.0.0.1:{engine_port}"
+        python = [sys.executable, "-m"]
+        gateway = [*python, "services.gateway", "--host", config.host, "--port", str(config.port),
+                   "--tokenizer-addr", self.tokenizer_addr, "--engine-addr", self.engine_addr,
+                   "--served-model-name", self.model_name, *config.gateway_args]
+        if config.api_key:
+            gateway += ["--api-key", config.api_key]
+        commands = {
+            "tokenizer": [*python, "services.tokenizer", "--model", model_dir,
+                          "--host", "127.0.0.1", "--port", str(tokenizer_port)],
+            "engine": [*python, "services.engine", "--model", model_dir, "--host", "127.0.0.1",
+                       "--port", str(engine_port), "--served-model-name", self.model_name,
+                       *config.engine_args],
+            "gateway": gateway,
+        }
+        if config.log_dir is not None:
+            Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+        for name, argv in commands.items():
+            log_path = Path(config.log_dir) / f"{name}.log" if config.log_dir is not None else None
+            self.services.append(Service(name, argv, log_path, config.echo_logs))
+        try:
+            # Every child is forked before any reader thread exists (preexec_fn and threads mix badly).
+            for service in self.services:
+                service.spawn()
+            for service in self.services:
+                service.start_reader()
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        checks = {"tokenizer": lambda: _grpc_serving(self.tokenizer_addr),
+                  "engine": lambda: _grpc_serving(self.engine_addr),
+                  "gateway": lambda: _http_ok(self.base_url + "/health")}
+        for service in self.services:
+            while not checks[service.name]():
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise StartupError(
+                        f"the {service.name} did not become healthy within "
+                        f"{self.config.startup_timeout_s:.0f} s; last lines of its log:\n{service.tail()}")
+                time.sleep(_POLL_S)
+
+    def check_alive(self) -> None:
+        """Raises StartupError naming the first child that exited, with the tail of its log."""
+        for service in self.services:
+            code = service.exit_code
+            if code is not None:
+                where = f" (log: {service.log_path})" if service.log_path else ""
+                raise StartupError(f"the {service.name} exited with code {code}{where}; "
+                                   f"last lines of its log:\n{service.tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to every child (gateway first), SIGKILL to any still alive after the grace."""
+        for service in reversed(self.services):
+            service.terminate()
+        deadline = time.monotonic() + self.config.grace_s
+        for service in reversed(self.services):
+            service.wait_or_kill(deadline)
+
+
+def _grpc_serving(addr: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="strata up", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address of the gateway (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port of the gateway (default: %(default)s)")
+    parser.add_argument("--served-model-name", help="the model name clients send")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1")
+    engine = parser.add_argument_group("engine (passed through when given)")
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
+                 "--num-kv-blocks", "--max-logprobs", "--seed"):
+        engine.add_argument(flag, type=int)
+    for flag in ("--dtype", "--device", "--attention-backend"):
+        engine.add_argument(flag)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    engine.add_argument("--engine-args", default="",
+                        help="more engine flags, one quoted string (a single flag: --engine-args=--flag)")
+    parser.add_argument("--gateway-args", default="", help="more gateway flags, one quoted string")
+    parser.add_argument("--log-dir", type=Path, help="write each service's log to DIR/<service>.log "
+                        "instead of prefixing it to this terminal")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL at shutdown (default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
+                 "max_logprobs", "seed", "dtype", "device", "attention_backend"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if args.enable_prefix_caching is not None:
+        flags.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    return flags + shlex.split(args.engine_args)
+
+
+def curl_example(stack: Stack, api_key: str | None) -> str:
+    body = json.dumps({"model": stack.model_name, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "Hello!"}]})
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return (f"curl {stack.base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{body}'")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = StackConfig(model=args.model, host=args.host, port=args.port,
+                         served_model_name=args.served_model_name, api_key=args.api_key,
+                         engine_args=engine_flags(args), gateway_args=shlex.split(args.gateway_args),
+                         log_dir=args.log_dir, echo_logs=args.log_dir is None,
+                         startup_timeout_s=args.startup_timeout, grace_s=args.grace)
+    _stop_on_signals()
+    stack = Stack(config)
+    logs = (f" (logs: {', '.join(str(args.log_dir / f'{n}.log') for n in ('tokenizer', 'engine', 'gateway'))})"
+            if args.log_dir else "")
+    print(f"strata up: starting tokenizer, engine and gateway{logs} ...", flush=True)
+    try:
+        stack.start()
+        print(f"\nstrata up: serving `{stack.model_name}` at {stack.base_url}/v1\n"
+              f"  {curl_example(stack, args.api_key)}\n"
+              f"  (tokenizer at {stack.tokenizer_addr}, engine at {stack.engine_addr}; Ctrl-C stops)\n",
+              flush=True)
+        while True:
+            time.sleep(0.5)
+            stack.check_alive()
+    except KeyboardInterrupt:
+        return 0
+    except StartupError as error:
+        print(f"strata up: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("strata up: stopping ...", file=sys.stderr, flush=True)
+        stack.stop()
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM both unwind main() into Stack.stop(); later signals are ignored so the
+    shutdown itself is not interrupted."""
+    def on_signal(*_) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""`strata up` machinery: a service that dies during startup is named with the tail of its log,
+and nothing is left running."""
+
+import pytest
+
+from services.launcher import Stack, StackConfig, StartupError, engine_flags, find_free_port, parse_args
+
+
+def test_a_service_that_dies_at_startup_is_named_with_its_log(tmp_path):
+    config = StackConfig(model=str(tmp_path / "no-such-checkpoint"), port=find_free_port(),
+                         log_dir=tmp_path / "logs", echo_logs=False, startup_timeout_s=60, grace_s=2)
+    stack = Stack(config)
+    with pytest.raises(StartupError) as info:
+        stack.start()
+    message = str(info.value)
+    assert "exited with code" in message and "last lines of its log" in message
+    assert any(f"the {name} exited" in message for name in ("tokenizer", "engine", "gateway"))
+    assert all(service.exit_code is not None for service in stack.services), "orphans left"
+    assert (tmp_path / "logs" / "tokenizer.log").exists()
+
+
+def test_engine_flags_pass_through():
+    args = parse_args(["--max-num-seqs", "8", "--dtype", "float32", "--no-enable-prefix-caching",
+                       "--engine-args", "--block-size 32 --seed 3"])
+    assert engine_flags(args) == ["--max-num-seqs", "8", "--dtype", "float32",
+                                  "--no-enable-prefix-caching", "--block-size", "32", "--seed", "3"]

@@ -1,0 +1,162 @@
+"""The OpenAI API through the real `openai` client against the real stack: streamed and
+non-streamed answers agree, n choices, usage, logprobs, echo, headers, health and metrics."""
+
+from collections import defaultdict
+
+import pytest
+
+from tests.e2e.conftest import MODEL
+
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def stream_chat(client, **kwargs):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **kwargs))
+    texts, finishes, roles = defaultdict(str), defaultdict(list), defaultdict(list)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role:
+                roles[choice.index].append(choice.delta.role)
+            if choice.finish_reason is not None:
+                finishes[choice.index].append(choice.finish_reason)
+    return chunks, texts, finishes, roles
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_chat_streamed_equals_non_streamed(client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12)
+    chunks, texts, finishes, roles = stream_chat(client, temperature=0, max_tokens=12)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert texts[0] == choice.message.content
+    assert finishes[0] == [choice.finish_reason] == ["length"]
+    assert roles[0] == ["assistant"] and chunks[0].choices[0].delta.role == "assistant"
+    assert full.usage.completion_tokens == 12
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_greedy_completion_streamed_equals_non_streamed(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=10)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=10, stream=True))
+    assert streamed == full.choices[0].text and streamed
+
+
+def test_n_choices_streamed_and_not(client):
+    kwargs = dict(n=3, temperature=1.0, seed=7, max_tokens=6, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, **kwargs)
+    assert sorted(c.index for c in full.choices) == [0, 1, 2]
+    assert full.usage.completion_tokens == 3 * 6
+    _, texts, finishes, roles = stream_chat(client, **kwargs)
+    assert sorted(finishes) == [0, 1, 2]
+    assert all(len(f) == 1 for f in finishes.values()), "exactly one finish_reason per choice"
+    assert all(r == ["assistant"] for r in roles.values())
+    # Seeded: choice i samples with seed + i, so the streamed and full answers agree choice by choice.
+    assert {c.index: c.message.content for c in full.choices} == dict(texts)
+
+
+def test_completions_number_choices_prompt_major(client):
+    full = client.completions.create(model=MODEL, prompt=["a b", "c d"], n=2, seed=1, max_tokens=3)
+    assert sorted(c.index for c in full.choices) == [0, 1, 2, 3]
+    streamed = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], n=2, seed=1,
+                                         max_tokens=3, stream=True)
+    finishes = defaultdict(int)
+    for chunk in streamed:
+        for choice in chunk.choices:
+            finishes[choice.index] += choice.finish_reason is not None
+    assert dict(finishes) == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_include_usage_adds_a_final_chunk_without_choices(client):
+    chunks, texts, _, _ = stream_chat(client, max_tokens=5, stream_options={"include_usage": True})
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 5
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 5
+    assert all(c.usage is None for c in body)
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(client):
+    chunks, _, _, _ = stream_chat(client, max_tokens=4,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4
+
+
+def test_chat_logprobs_shape(client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True,
+                                          top_logprobs=3, temperature=0)
+    content = full.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert isinstance(entry.token, str) and entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        # Greedy: the sampled token is the most likely one.
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
+    assert "".join(e.token for e in content) == full.choices[0].message.content
+    streamed = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True,
+                                              top_logprobs=3, temperature=0, stream=True)
+    streamed_tokens = [e.token for c in streamed for ch in c.choices if ch.logprobs
+                       for e in ch.logprobs.content]
+    assert streamed_tokens == [e.token for e in content]
+
+
+def test_completion_logprobs_shape(client):
+    full = client.completions.create(model=MODEL, prompt="The sea", max_tokens=5, logprobs=2, temperature=0)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token in top and 2 <= len(top) <= 3 and logprob <= 0
+
+
+def test_echo_puts_the_prompt_first(client):
+    prompt = "Echo 😀 漢字"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, temperature=0)
+    assert full.choices[0].text.startswith(prompt) and len(full.choices[0].text) > len(prompt)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, echo=True, temperature=0, stream=True))
+    assert streamed == full.choices[0].text
+
+
+def test_sampling_parameters_are_accepted(client):
+    full = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=4, temperature=0.7, top_p=0.9, seed=3,
+        presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"100": 5},
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2,
+                    "ignore_eos": True, "stop_token_ids": [3]})
+    assert full.choices[0].finish_reason in ("length", "stop")
+    assert 2 <= full.usage.completion_tokens <= 4
+
+
+def test_seed_makes_sampling_repeatable(client):
+    def sample():
+        return client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=1.0,
+                                         seed=1234).choices[0].text
+    assert sample() == sample()
+
+
+def test_request_id_is_echoed(http):
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                         headers={"x-request-id": "trace-me-42"})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "trace-me-42"
+    assert len(http.get("/v1/models").headers["x-request-id"]) == 32
+
+
+def test_health_and_metrics(http):
+    assert http.get("/health").json() == {"status": "ok", "tokenizer": True, "engine": True}
+    http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    text = http.get("/metrics").text
+    for name in ("strata:request_success_total{", "strata:prompt_tokens_total{",
+                 "strata:generation_tokens_total{", "strata:time_to_first_token_seconds_bucket{",
+                 "strata:e2e_request_latency_seconds_bucket{"):
+        assert name in text
+    assert 'finished_reason="length",model_name="strata-tiny-v1"' in text

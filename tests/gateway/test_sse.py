@@ -1,0 +1,29 @@
+"""SSE framing as OpenAI/vLLM send it."""
+
+import json
+
+from services.gateway import sse
+from services.gateway.errors import OpenAIError
+
+
+def test_event_is_one_data_line_and_a_blank_line():
+    raw = sse.event({"text": "a\nb", "emoji": "😀"})
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+    assert raw.count(b"\n") == 2  # newlines inside the payload are JSON-escaped
+    assert json.loads(raw[len(b"data: "):]) == {"text": "a\nb", "emoji": "😀"}
+
+
+def test_done_marker():
+    assert sse.DONE == b"data: [DONE]\n\n"
+
+
+def test_error_after_start_is_an_error_event_then_done():
+    events = sse.error_events(OpenAIError("boom", 503))
+    assert sse.parse(b"".join(events)) == [
+        {"error": {"message": "boom", "type": "service_unavailable_error", "param": None, "code": None}},
+        "[DONE]"]
+
+
+def test_parse_round_trip():
+    body = sse.event({"a": 1}) + sse.event({"b": [2]}) + sse.DONE
+    assert sse.parse(body) == [{"a": 1}, {"b": [2]}, "[DONE]"]

@@ -1,0 +1,158 @@
+"""Request validation: each rule gives a 400 (or 404) naming its parameter, and valid requests
+map onto the engine's protobuf fields."""
+
+import pytest
+
+from services.gateway.errors import OpenAIError
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.validation import (Limits, ModelFacts, completion_prompts, resolve_max_tokens,
+                                         validate_chat, validate_completion)
+
+FACTS = ModelFacts(name="tiny", max_model_len=100, vocab_size=50, max_logprobs=20,
+                   eos_token_ids=frozenset({2}))
+LIMITS = Limits(max_n=4, max_stop_strings=3, max_prompts=5)
+
+
+def chat(**fields):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return validate_chat(ChatCompletionRequest(**body), FACTS, LIMITS)
+
+
+def completion(**fields):
+    body = {"model": "tiny", "prompt": "hi", **fields}
+    return validate_completion(CompletionRequest(**body), FACTS, LIMITS)
+
+
+def refused(call, **fields) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        call(**fields)
+    return info.value
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"n": 0}, "n"),
+    ({"n": 5}, "n"),
+    ({"n": 2, "temperature": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"stop": ["a", "b", "c", "d"]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [50]}, "stop_token_ids"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"60": 1}}, "logit_bias"),
+    ({"logit_bias": {"3": 101}}, "logit_bias"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.[0].content"),
+])
+def test_chat_rule_gives_400_naming_the_param(fields, param):
+    error = refused(chat, **fields)
+    assert (error.status, error.param) == (400, param)
+
+
+def test_unknown_model_is_404_with_vllms_message():
+    error = refused(chat, model="gpt-4")
+    assert (error.status, error.param, error.message) == (404, "model", "The model `gpt-4` does not exist.")
+
+
+def test_model_may_be_omitted():
+    assert chat(model=None).n == 1
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": 1, "echo": True}, "echo"),
+    ({"suffix": "x"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a"] * 6}, "prompt"),
+    ({"prompt": [1, 2, 99]}, "prompt"),
+    ({"prompt": [[1], [-1]]}, "prompt"),
+])
+def test_completion_rule_gives_400_naming_the_param(fields, param):
+    error = refused(completion, **fields)
+    assert (error.status, error.param) == (400, param)
+
+
+def test_sampling_fields_reach_the_engine_proto():
+    params = chat(temperature=0.5, top_p=0.9, top_k=-1, min_p=0.1, presence_penalty=1,
+                  frequency_penalty=-1, repetition_penalty=1.2, logit_bias={"7": -100}, seed=11,
+                  n=3, logprobs=True, top_logprobs=4, stop_token_ids=[9], min_tokens=2,
+                  ignore_eos=True, max_tokens=10)
+    proto = params.sampling_proto(choice_index=2)
+    assert proto.temperature == pytest.approx(0.5) and proto.top_p == pytest.approx(0.9)
+    assert proto.top_k == 0 and proto.min_p == pytest.approx(0.1)
+    assert proto.presence_penalty == 1 and proto.frequency_penalty == -1
+    assert proto.repetition_penalty == pytest.approx(1.2)
+    assert dict(proto.logit_bias) == {7: -100}
+    assert proto.seed == 13  # seed + choice index
+    assert proto.logprobs == 4
+    stop = params.stop_proto(10)
+    assert (stop.max_tokens, stop.min_tokens, list(stop.stop_token_ids), stop.ignore_eos) == (10, 2, [9], True)
+
+
+def test_unset_sampling_fields_stay_unset():
+    proto = chat().sampling_proto(0)
+    for name in ("temperature", "top_p", "top_k", "seed", "logprobs"):
+        assert not proto.HasField(name)
+
+
+def test_negative_seed_wraps_to_uint64():
+    assert chat(seed=-1).sampling_proto(0).seed == (1 << 64) - 1
+
+
+def test_logprobs_true_without_top_logprobs_asks_for_the_sampled_token_only():
+    assert chat(logprobs=True).num_logprobs == 0
+    assert chat().num_logprobs is None
+
+
+def test_max_completion_tokens_wins_and_names_itself():
+    params = chat(max_tokens=5, max_completion_tokens=7)
+    assert (params.max_tokens, params.max_tokens_param) == (7, "max_completion_tokens")
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_completion_prompt_forms(prompt, expected):
+    assert completion_prompts(CompletionRequest(prompt=prompt)) == expected
+
+
+def test_strings_are_never_read_as_token_ids():
+    with pytest.raises(ValueError):
+        CompletionRequest(prompt=["a", 1])
+
+
+def test_max_tokens_defaults_to_the_rest_of_the_context():
+    assert resolve_max_tokens(chat(), 30, FACTS) == 70
+
+
+def test_prompt_over_the_context_length_uses_vllms_message():
+    error = refused(resolve_max_tokens, params=chat(), num_prompt_tokens=100, facts=FACTS)
+    assert error.param == "input_tokens"
+    assert error.message.startswith("This model's maximum context length is 100 tokens. "
+                                    "However, your request has 100 input tokens.")
+
+
+def test_prompt_plus_max_tokens_over_the_context_length():
+    error = refused(resolve_max_tokens, params=chat(max_tokens=80), num_prompt_tokens=30, facts=FACTS)
+    assert error.param == "max_tokens"
+    assert error.message.startswith("'max_tokens' is too large: 80.")
+    assert "(80 > 100 - 30)" in error.message
+
+
+def test_empty_prompt_is_refused():
+    assert refused(resolve_max_tokens, params=chat(), num_prompt_tokens=0, facts=FACTS).param == "prompt"
