@@ -1,0 +1,34 @@
+"""`python -m services.engine [--model DIR] [--port P] ...` (also `strata engine`)."""
+
+import argparse
+import asyncio
+import logging
+
+from services.engine.engine_args import add_engine_args, config_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata engine", description="Run an engine replica (gRPC strata.v1.Engine).")
+    add_engine_args(parser)
+    parser.add_argument("--served-model-name", help="model name reported to clients (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50052, help="gRPC port, 0 for any (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    from services.engine.server import serve
+
+    asyncio.run(serve(config, args.host, args.port, args.served_model_name or config.model,
+                      args.shutdown_timeout, args.metrics_port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

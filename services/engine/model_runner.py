@@ -1,0 +1,164 @@
+"""Runs one scheduled step: builds the flat batch, runs the model over the paged KV cache, samples."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.attention import AttentionMetadata, get_attention_backend
+from services.engine.config import EngineConfig
+from services.engine.models.config import load_model_config
+from services.engine.models.loader import load_model
+from services.engine.request import Request
+from services.engine.sampler import Sampler
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class _InputBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [n]: the last new token of each chunk that samples
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    """Owns the model weights and the KV pools (one K and one V pool per layer,
+    ``[num_kv_blocks, block_size, num_kv_heads, head_dim]``, zero-initialised; every block is usable).
+    It never modifies Request objects: the scheduler advances them from the returned tokens."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = mc = load_model_config(config.model)
+        self.device = torch.device(config.device)
+        self.dtype = mc.resolve_dtype(config.dtype)
+        self.max_model_len = mc.resolve_max_model_len(config.max_model_len)
+        self.block_size = config.block_size
+        self.attention = get_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
+                                               mc.head_dim, self.dtype)
+        self.model = load_model(config.model, mc, self.attention, self.max_model_len, self.dtype, self.device)
+        self.num_kv_blocks = self._decide_num_kv_blocks()
+        pool_shape = (self.num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [(torch.zeros(pool_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(pool_shape, dtype=self.dtype, device=self.device))
+                          for _ in range(mc.num_layers)]
+        self.sampler = Sampler(mc.vocab_size, self.device, config.seed)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_config.eos_token_ids
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        requests, logits = self.compute_logits(scheduler_output)
+        output = ModelRunnerOutput()
+        if not requests:
+            return output
+        tokens, logprobs = self.sampler(logits, requests)
+        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
+            output.sampled_token_ids[request.request_id] = token
+            if logprob is not None:
+                output.logprobs[request.request_id] = logprob
+        return output
+
+    @torch.inference_mode()
+    def compute_logits(self, scheduler_output: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        """The step without sampling: writes the chunks' K/V and returns the requests that sample with
+        their float32 logits ``[n, vocab]`` (row i for request i)."""
+        if scheduler_output.is_empty:
+            return [], torch.empty(0, self.vocab_size)
+        batch = self._prepare(scheduler_output.chunks)
+        metadata = self.attention.prepare(batch.metadata)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, metadata)  # [T, H]
+        return batch.sample_requests, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+
+    def free_request(self, request_id: str) -> None:
+        """Drop a finished request's sampler state (its seeded generator)."""
+        self.sampler.free(request_id)
+
+    def warmup(self) -> None:
+        """One prefill step and one decode step of a dummy request in the first blocks (whose contents
+        are garbage afterwards, which is fine: no request has computed them)."""
+        num_prompt = min(8, self.max_model_len - 1)
+        request = Request("__warmup__", list(range(num_prompt)), SamplingParams(temperature=0.0))
+        block_ids = list(range(min(self.num_kv_blocks, -(-(num_prompt + 1) // self.block_size))))
+        requests, logits = self.compute_logits(SchedulerOutput([ScheduledChunk(request, num_prompt, block_ids)]))
+        request.num_computed_tokens = num_prompt
+        request.append_output(int(logits[0].argmax()))
+        self.execute(SchedulerOutput([ScheduledChunk(request, 1, block_ids)]))
+        self.free_request(request.request_id)
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> _InputBatch:
+        # Single-token chunks first: attention handles them on its decode path.
+        chunks = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
+        num_reqs = len(chunks)
+        num_new = np.fromiter((c.num_new_tokens for c in chunks), np.int64, num_reqs)
+        context_lens = np.fromiter((c.request.num_computed_tokens for c in chunks), np.int64, num_reqs)
+        seq_lens = context_lens + num_new
+        query_start_loc = np.zeros(num_reqs + 1, np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+
+        num_blocks = np.fromiter((len(c.block_ids) for c in chunks), np.int64, num_reqs)
+        if (seq_lens > num_blocks * self.block_size).any() or seq_lens.max() > self.max_model_len:
+            bad = int(np.argmax((seq_lens > num_blocks * self.block_size) | (seq_lens > self.max_model_len)))
+            raise ValueError(f"request {chunks[bad].request.request_id!r} reaches {seq_lens[bad]} tokens with "
+                             f"{num_blocks[bad]} blocks of {self.block_size} (max_model_len {self.max_model_len})")
+        block_tables = np.zeros((num_reqs, int(num_blocks.max())), np.int64)
+        input_ids = np.empty(num_tokens, np.int64)
+        for i, chunk in enumerate(chunks):
+            block_tables[i, :num_blocks[i]] = chunk.block_ids
+            start = context_lens[i]
+            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = chunk.request.all_token_ids[start:start + num_new[i]]
+
+        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - context_lens, num_new)
+        request_of_token = np.repeat(np.arange(num_reqs), num_new)
+        slot_mapping = (block_tables[request_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+        samples = np.fromiter((c.samples for c in chunks), bool, num_reqs)
+        num_decodes = int((num_new == 1).sum())
+        metadata = AttentionMetadata(
+            num_decodes=num_decodes,
+            num_prefills=num_reqs - num_decodes,
+            query_start_loc=self._tensor(query_start_loc),
+            seq_lens=self._tensor(seq_lens),
+            context_lens=self._tensor(context_lens),
+            block_tables=self._tensor(block_tables),
+            slot_mapping=self._tensor(slot_mapping),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+        )
+        return _InputBatch(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            metadata=metadata,
+            sample_rows=self._tensor(query_start_loc[1:][samples] - 1),
+            sample_requests=[c.request for c, s in zip(chunks, samples, strict=True) if s],
+        )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    def _decide_num_kv_blocks(self) -> int:
+        """``num_kv_blocks`` when given; else what ``kv_cache_memory_bytes`` holds, capped at enough for
+        ``max_num_seqs`` requests of ``max_model_len`` tokens."""
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        mc = self.model_config
+        bytes_per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
+                           * torch.empty(0, dtype=self.dtype).element_size())
+        memory = self.config.kv_cache_memory_bytes
+        num_blocks = min(memory // bytes_per_block, self.config.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(f"--kv-cache-memory-bytes {memory} holds {num_blocks} KV blocks, "
+                             f"fewer than the {blocks_per_seq} one request of --max-model-len {self.max_model_len} "
+                             f"needs; raise it or lower --max-model-len")
+        return int(num_blocks)

@@ -1,0 +1,49 @@
+"""Building blocks of the Llama family: RMSNorm with the residual add folded in, and the gated MLP."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+
+def empty_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> nn.Linear:
+    """A Linear whose weights are left uninitialised: the loader fills them from the checkpoint."""
+    return skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # HF normalises in float32 and casts back before scaling by the weight.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = empty_linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
+        self.down_proj = empty_linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))  # [T, H]

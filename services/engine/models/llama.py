@@ -1,0 +1,110 @@
+"""The Llama family (Llama, Mistral, Qwen2) over flat batches and a paged KV cache.
+
+Parameter names mirror Hugging Face's, except that q/k/v and gate/up are fused at load time
+(``qkv_proj``, ``gate_up_proj``); ``checkpoint_sources`` says which checkpoint tensors fill each.
+"""
+
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+
+from services.engine.attention.base import AttentionBackend, AttentionMetadata
+from services.engine.models.config import ModelConfig
+from services.engine.models.layers import GatedMLP, RMSNorm, empty_linear
+from services.engine.models.rope import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool): [num_blocks, block_size, kv_heads, head_dim]
+_FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, rotary: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = empty_linear(config.hidden_size, qkv_size, config.attention_bias, dtype, device)
+        self.o_proj = empty_linear(self.num_heads * self.head_dim, config.hidden_size, config.o_proj_bias,
+                                   dtype, device)
+        self.attention = attention
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [T, (heads + 2 * kv_heads) * D]
+        qk = self.rotary(positions, qkv[:, :num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, -1))
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # q: [T, heads, D], k: [T, kv_heads, D]
+        v = qkv[:, num_qk_heads * self.head_dim:].view(num_tokens, self.num_kv_heads, -1)  # [T, kv_heads, D]
+        out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata)  # [T, heads, D]
+        return self.o_proj(out.reshape(num_tokens, -1))  # [T, H]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, rotary: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attention, rotary, dtype, device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, max_positions: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, rotary, dtype, device)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, H]``;
+    ``compute_logits(hidden [n, H]) -> [n, vocab]`` in float32."""
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, max_positions: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attention, max_positions, dtype, device)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else empty_linear(config.hidden_size, config.vocab_size, False, dtype, device))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()  # [n, vocab]
+
+    def checkpoint_sources(self) -> dict[str, list[str]]:
+        """For each parameter, the checkpoint tensors concatenated (along dim 0) to fill it."""
+        sources = {}
+        for name, _ in self.named_parameters():
+            fused = next((key for key in _FUSED if key in name), None)
+            sources[name] = [name.replace(fused, part) for part in _FUSED[fused]] if fused else [name]
+        return sources

@@ -1,0 +1,75 @@
+"""Conversion between the `strata.v1` engine protobufs and the engine's domain objects."""
+
+from services.common.pb import engine_pb2
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler_output import RequestOutput, SampledLogprobs
+
+_FINISH_REASONS = {
+    None: engine_pb2.FINISH_REASON_UNSPECIFIED,
+    "length": engine_pb2.FINISH_REASON_LENGTH,
+    "stop": engine_pb2.FINISH_REASON_STOP,
+    "abort": engine_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(request: engine_pb2.GenerateRequest) -> SamplingParams:
+    """Raises InvalidRequestError (from SamplingParams) for out-of-range values."""
+    sampling, stop = request.sampling, request.stop
+
+    def opt(name: str, default):
+        return getattr(sampling, name) if sampling.HasField(name) else default
+
+    return SamplingParams(
+        temperature=opt("temperature", 1.0),
+        top_p=opt("top_p", 1.0),
+        top_k=opt("top_k", 0),
+        min_p=opt("min_p", 0.0),
+        seed=opt("seed", None),
+        presence_penalty=opt("presence_penalty", 0.0),
+        frequency_penalty=opt("frequency_penalty", 0.0),
+        repetition_penalty=opt("repetition_penalty", 1.0),
+        logit_bias=dict(sampling.logit_bias),
+        logprobs=opt("logprobs", None),
+        max_tokens=stop.max_tokens,
+        min_tokens=stop.min_tokens,
+        stop_token_ids=tuple(stop.stop_token_ids),
+        ignore_eos=stop.ignore_eos,
+    )
+
+
+def sampling_params_to_proto(params: SamplingParams) -> tuple[engine_pb2.SamplingParams, engine_pb2.StopCriteria]:
+    sampling = engine_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
+    )
+    if params.seed is not None:
+        sampling.seed = params.seed
+    if params.logprobs is not None:
+        sampling.logprobs = params.logprobs
+    stop = engine_pb2.StopCriteria(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                                   stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+    return sampling, stop
+
+
+def _logprobs_to_proto(logprobs: SampledLogprobs) -> engine_pb2.SampledLogprobs:
+    return engine_pb2.SampledLogprobs(
+        sampled=engine_pb2.TokenLogprob(token_id=logprobs.token_id, logprob=logprobs.logprob),
+        top=[engine_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+        sampled_rank=logprobs.rank,
+    )
+
+
+def output_to_proto(output: RequestOutput, replica_id: str) -> engine_pb2.GenerateResponse:
+    response = engine_pb2.GenerateResponse(
+        token_ids=output.new_token_ids,
+        logprobs=[_logprobs_to_proto(lp) for lp in output.logprobs],
+        finish_reason=_FINISH_REASONS[output.finish_reason],
+        usage=engine_pb2.Usage(prompt_tokens=output.num_prompt_tokens,
+                               completion_tokens=output.num_output_tokens,
+                               cached_prompt_tokens=max(output.num_cached_tokens, 0)),
+        replica_id=replica_id,
+    )
+    if output.stop_token_id is not None:
+        response.stop_token_id = output.stop_token_id
+    return response

@@ -1,0 +1,153 @@
+"""Batched sampling for the requests that sample in a step.
+
+Order, as in vLLM: raw logits → (logprobs of the raw distribution) → min_tokens eos/stop mask →
+repetition, frequency and presence penalties → logit_bias → greedy argmax, or temperature → min_p →
+top_k → top_p → a draw. Draws use the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), so a
+request with a seed draws its noise only from its own ``torch.Generator``: the same seed gives the
+same tokens alone or in any batch. The sampler owns those generators, keyed by request id; the
+engine calls ``free(request_id)`` when a request finishes.
+"""
+
+import numpy as np
+import torch
+
+from services.engine.request import Request
+from services.engine.scheduler_output import SampledLogprobs
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # requests without a seed
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def free(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]
+                 ) -> tuple[list[int], list[SampledLogprobs | None]]:
+        """``logits: [n, vocab]`` float32, row i for ``requests[i]`` → (token ids, logprobs or None per row)."""
+        params = [r.sampling_params for r in requests]
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self.process_logits(logits, requests)
+        tokens = self._draw(logits, requests)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, [None] * len(requests)
+        return token_list, self._logprobs(raw_logprobs, tokens, params)
+
+    def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Penalties, logit bias and the min_tokens mask, in a new tensor."""
+        logits = logits.clone()
+        params = [r.sampling_params for r in requests]
+        _mask_stop_tokens_before_min(logits, requests)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            penalty = self._column([p.repetition_penalty for p in params])  # [n, 1]
+            seen = _token_counts(requests, self.vocab_size, self.device, include_prompt=True) > 0
+            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalized, logits)
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
+            counts = _token_counts(requests, self.vocab_size, self.device, include_prompt=False)
+            logits -= self._column([p.frequency_penalty for p in params]) * counts
+            logits -= self._column([p.presence_penalty for p in params]) * (counts > 0)
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias.keys()), device=self.device)
+                bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=self.device)
+                logits[row].index_add_(0, ids, bias)
+        return logits
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        greedy = logits.argmax(dim=-1)  # [n]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not random_rows:
+            return greedy
+        rows = torch.tensor(random_rows, device=self.device)
+        chosen = [params[i] for i in random_rows]
+        probs = self.probabilities(logits.index_select(0, rows), chosen)  # [m, vocab]
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, p in enumerate(chosen) if p.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=self.device).exponential_(
+                generator=self.generator)
+        for j, p in enumerate(chosen):
+            if p.seed is not None:
+                noise[j].exponential_(generator=self._request_generator(requests[random_rows[j]]))
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw must not turn p = 0 into inf
+        return greedy.index_copy(0, rows, (probs / noise).argmax(dim=-1))
+
+    def probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Temperature, then min_p, top_k and top_p masks; returns the renormalised distribution."""
+        logits = logits / self._column([p.temperature for p in params])
+        if any(p.min_p > 0 for p in params):
+            probs = logits.softmax(dim=-1)
+            threshold = self._column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = self._top_k_top_p(logits, params)
+        return logits.softmax(dim=-1)
+
+    def _top_k_top_p(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Keep each row's ``top_k`` largest logits, then the smallest prefix of those (by descending
+        probability) whose mass reaches ``top_p``."""
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [m, vocab]
+        rank = torch.arange(logits.shape[1], device=self.device)
+        top_k = torch.tensor([p.top_k or logits.shape[1] for p in params], device=self.device)
+        sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        top_p = self._column([p.top_p if p.top_p < 1.0 else 2.0 for p in params])  # 2: rounding never cuts
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+    def _request_generator(self, request: Request) -> torch.Generator:
+        generator = self.request_generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
+            self.request_generators[request.request_id] = generator
+        return generator
+
+    def _logprobs(self, raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list) -> list[SampledLogprobs | None]:
+        token_logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1))  # [n, 1]
+        ranks = ((raw_logprobs > token_logprobs).sum(dim=-1) + 1).tolist()
+        max_top = max(p.logprobs or 0 for p in params)
+        top_values, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+        out = []
+        for row, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            top = [] if not p.logprobs else list(zip(top_ids[row, :p.logprobs].tolist(),
+                                                     top_values[row, :p.logprobs].tolist(), strict=True))
+            out.append(SampledLogprobs(int(tokens[row]), float(token_logprobs[row]), ranks[row], top))
+        return out
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)  # [n, 1]
+
+
+def _token_counts(requests: list[Request], vocab_size: int, device: torch.device, include_prompt: bool) -> torch.Tensor:
+    """``[n, vocab]`` occurrence counts of each row's output tokens (and prompt tokens when asked),
+    scattered from one padded token tensor; the padding goes to an extra column that is dropped."""
+    token_lists = [r.all_token_ids if include_prompt else r.output_token_ids for r in requests]
+    width = max((len(t) for t in token_lists), default=0)
+    padded = np.full((len(requests), max(width, 1)), vocab_size, dtype=np.int64)
+    for row, tokens in enumerate(token_lists):
+        padded[row, :len(tokens)] = tokens
+    counts = torch.zeros(len(requests), vocab_size + 1, device=device)
+    counts.scatter_add_(1, torch.from_numpy(padded).to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _mask_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Until a request has ``min_tokens`` outputs, its eos (unless ignored) and stop token ids cannot be drawn."""
+    for row, r in enumerate(requests):
+        p = r.sampling_params
+        if r.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            if banned:
+                logits[row, list(banned)] = float("-inf")

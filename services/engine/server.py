@@ -1,0 +1,116 @@
+"""The engine's gRPC service (`strata.v1.Engine`): a thin layer over `AsyncEngine`.
+
+Health is NOT_SERVING while the model loads and warms up, SERVING after, and NOT_SERVING again once
+a shutdown began; then new requests get UNAVAILABLE while in-flight ones finish (up to
+`shutdown_timeout_s`). Errors become status codes in `services.common.grpc_server`, not here.
+"""
+
+import asyncio
+import logging
+import signal
+import uuid
+
+from services.common.errors import ServiceUnavailableError
+from services.common.grpc_server import GrpcServer
+from services.common.pb import engine_pb2, engine_pb2_grpc
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.metrics import EngineMetrics
+from services.engine.protocol import output_to_proto, sampling_params_from_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, config: EngineConfig, served_model_name: str) -> None:
+        self.config = config
+        self.served_model_name = served_model_name
+        self.engine: AsyncEngine | None = None
+        self.accepting = False
+
+    def _ready_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise ServiceUnavailableError("the engine is still loading the model")
+        if not self.accepting:
+            raise ServiceUnavailableError("the engine is shutting down")
+        return self.engine
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context):
+        engine = self._ready_engine()
+        params = sampling_params_from_proto(request)
+        request_id = request.request_id or uuid.uuid4().hex
+        async for output in engine.generate(request_id, list(request.prompt_token_ids), params, request.cache_salt):
+            yield output_to_proto(output, self.config.replica_id)
+
+    async def Info(self, request: engine_pb2.EngineInfoRequest, context) -> engine_pb2.EngineInfoResponse:
+        if self.engine is None:
+            raise ServiceUnavailableError("the engine is still loading the model")
+        core = self.engine.core
+        return engine_pb2.EngineInfoResponse(
+            model=self.served_model_name, max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+            block_size=self.config.block_size, num_kv_blocks=core.num_kv_blocks,
+            replica_id=self.config.replica_id, max_num_seqs=self.config.max_num_seqs,
+            dtype=str(core.model_runner.dtype).removeprefix("torch."), device=self.config.device,
+            prefix_caching=self.config.enable_prefix_caching, max_logprobs=self.config.max_logprobs,
+        )
+
+    async def Load(self, request: engine_pb2.LoadRequest, context) -> engine_pb2.LoadResponse:
+        if self.engine is None:
+            return engine_pb2.LoadResponse(replica_id=self.config.replica_id)
+        stats = self.engine.stats
+        return engine_pb2.LoadResponse(
+            replica_id=self.config.replica_id, num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_kv_blocks_used=stats.num_kv_blocks_used, num_kv_blocks_total=stats.num_kv_blocks_total,
+            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=stats.num_preemptions,
+        )
+
+
+def _load_engine(config: EngineConfig, metrics: EngineMetrics) -> AsyncEngine:
+    core = EngineCore(config)
+    core.warmup()
+    return AsyncEngine(core, on_step=metrics.observe_step)
+
+
+async def serve(config: EngineConfig, host: str, port: int, served_model_name: str,
+                shutdown_timeout_s: float, metrics_port: int | None) -> None:
+    metrics = EngineMetrics(served_model_name)
+    if metrics_port is not None:
+        metrics.start_http_server(host, metrics_port)
+    server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
+    servicer = EngineServicer(config, served_model_name)
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
+    bound = server.add_port(f"{host}:{port}")
+    await server.start()
+    log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
+
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop_requested.set)
+
+    load = asyncio.create_task(asyncio.to_thread(_load_engine, config, metrics))
+    await asyncio.wait([load, asyncio.create_task(stop_requested.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if load.done():
+        servicer.engine = load.result()
+        servicer.engine.start()
+        servicer.accepting = True
+        await server.set_serving()
+        log.info("engine %s ready: %d KV blocks of %d tokens, max model len %d", config.replica_id,
+                 servicer.engine.core.num_kv_blocks, config.block_size, servicer.engine.core.max_model_len)
+        await stop_requested.wait()
+
+    log.info("shutting down: no new requests; waiting up to %.0fs for in-flight ones", shutdown_timeout_s)
+    servicer.accepting = False
+    await server.set_serving(False)
+    if servicer.engine is not None:
+        deadline = loop.time() + shutdown_timeout_s
+        while servicer.engine.num_active_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    await server.stop()
+    if servicer.engine is not None:
+        servicer.engine.shutdown()

@@ -1,0 +1,157 @@
+"""The engine's gRPC service as a real process on loopback: health, reflection, streaming,
+errors as status codes, cancellation freeing KV blocks, and draining on SIGTERM."""
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.common.pb import engine_pb2, engine_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def generate_request(request_id: str, prompt: list[int], max_tokens: int, **sampling) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt,
+        sampling=engine_pb2.SamplingParams(**sampling),
+        stop=engine_pb2.StopCriteria(max_tokens=max_tokens, ignore_eos=True))
+
+
+class EngineProcess:
+    def __init__(self, model_dir, port: int, log_path) -> None:
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "services.engine", "--model", str(model_dir), "--port", str(port),
+                 "--num-kv-blocks", "256", "--max-num-seqs", "8", "--shutdown-timeout", "20"],
+                stdout=log, stderr=subprocess.STDOUT)
+        # Reconnect quickly, so polling sees the server as soon as it listens (during the model load).
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+            ("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
+            ("grpc.max_reconnect_backoff_ms", 20)])
+        self.stub = engine_pb2_grpc.EngineStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def wait_serving(self, timeout_s: float = 60) -> list[int]:
+        """Polls health until SERVING; returns every status seen on the way."""
+        seen = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log_path.read_text()
+            try:
+                status = self.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            except grpc.RpcError:
+                time.sleep(0.01)
+                continue
+            seen.append(status)
+            if status == SERVING:
+                return seen
+            time.sleep(0.01)
+        raise TimeoutError(self.log_path.read_text())
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir, tmp_path_factory, free_port_factory):
+    server = EngineProcess(default_model_dir, free_port_factory(), tmp_path_factory.mktemp("engine") / "engine.log")
+    server.statuses = server.wait_serving()
+    yield server
+    server.close()
+
+
+def test_health_not_serving_until_loaded_then_serving(engine):
+    assert engine.statuses[0] == NOT_SERVING, "health must say NOT_SERVING while the model loads"
+    assert engine.statuses[-1] == SERVING
+
+
+def test_reflection_lists_the_engine_service(engine):
+    stub = reflection_pb2_grpc.ServerReflectionStub(engine.channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {service.name for response in responses for service in response.list_services_response.service}
+    assert {"strata.v1.Engine", "grpc.health.v1.Health"} <= names
+
+
+def test_generate_streams_token_by_token_with_usage(engine):
+    responses = list(engine.stub.Generate(generate_request("stream", [5, 6, 7, 8, 9], 6, temperature=0.0,
+                                                             logprobs=3), timeout=30))
+    assert [len(r.token_ids) for r in responses] == [1] * 6
+    assert [r.finish_reason for r in responses] == [0] * 5 + [engine_pb2.FINISH_REASON_LENGTH]
+    assert [r.usage.completion_tokens for r in responses] == [1, 2, 3, 4, 5, 6]
+    assert all(r.usage.prompt_tokens == 5 and r.replica_id == "engine-0" for r in responses)
+    for r in responses:
+        (lp,) = r.logprobs
+        assert lp.sampled.token_id == r.token_ids[0] and lp.sampled_rank == 1 and len(lp.top) == 3
+    info = engine.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5)
+    assert info.vocab_size == 4096 and info.max_model_len == 2048 and info.num_kv_blocks == 256
+
+
+@pytest.mark.parametrize("request_kwargs, message", [
+    (dict(prompt=[1] * 2048, max_tokens=1), "maximum context length is 2048"),
+    (dict(prompt=[1] * 2000, max_tokens=100), "'max_tokens' is too large"),
+    (dict(prompt=[], max_tokens=4), "empty"),
+    (dict(prompt=[999_999], max_tokens=4), "out of range"),
+    (dict(prompt=[1, 2], max_tokens=4, top_p=1.5), "top_p"),
+    (dict(prompt=[1, 2], max_tokens=0), "max_tokens"),
+    (dict(prompt=[1, 2], max_tokens=4, logprobs=21), "logprobs"),
+])
+def test_bad_requests_are_invalid_argument_and_server_keeps_serving(engine, request_kwargs, message):
+    kwargs = dict(request_kwargs)
+    request = generate_request("bad", kwargs.pop("prompt"), kwargs.pop("max_tokens"), **kwargs)
+    with pytest.raises(grpc.RpcError) as error:
+        list(engine.stub.Generate(request, timeout=10))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.value.details()
+    assert len(list(engine.stub.Generate(generate_request("good", [3, 4], 2), timeout=10))) == 2
+
+
+def test_cancelled_streams_free_their_blocks(engine):
+    calls = [engine.stub.Generate(generate_request(f"cancel-{i}", list(range(3, 100)), 1500), timeout=60)
+             for i in range(4)]
+    for call in calls:
+        next(call)  # every request is running and holds blocks
+    load = engine.stub.Load(engine_pb2.LoadRequest(), timeout=5)
+    assert load.num_running == 4 and load.num_kv_blocks_used > 0
+    for call in calls:
+        call.cancel()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        load = engine.stub.Load(engine_pb2.LoadRequest(), timeout=5)
+        if load.num_running == load.num_waiting == load.num_kv_blocks_used == 0:
+            break
+        time.sleep(0.02)
+    assert (load.num_running, load.num_waiting, load.num_kv_blocks_used) == (0, 0, 0)
+
+
+def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(default_model_dir, tmp_path, free_port):
+    server = EngineProcess(default_model_dir, free_port, tmp_path / "engine.log")
+    try:
+        server.wait_serving()
+        in_flight = server.stub.Generate(generate_request("long", [3, 4, 5], 300), timeout=60)
+        first = next(in_flight)
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while server.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status != NOT_SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as error:
+            list(server.stub.Generate(generate_request("late", [3, 4], 2), timeout=10))
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(in_flight)
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 300
+        assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.close()

@@ -1,0 +1,118 @@
+"""Checkpoint parsing and loading: the three architectures, both rope config forms, sharding, dtypes, errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from services.engine.attention import get_attention_backend
+from services.engine.models.config import load_model_config
+from services.engine.models.loader import load_model
+from services.engine.models.rope import rope_inv_freq
+
+from .checkpoints import write_checkpoint
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+def load(path, dtype=torch.float32):
+    config = load_model_config(path)
+    backend = get_attention_backend("torch", config.num_heads, config.num_kv_heads, config.head_dim, dtype)
+    return load_model(path, config, backend, 64, dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("legacy_rope", [False, True])
+def test_llama_config_both_rope_forms(tmp_path, legacy_rope):
+    path = write_checkpoint(tmp_path, "llama", legacy_rope=legacy_rope, rope_scaling=LLAMA3, rope_theta=5e5,
+                            head_dim=32, attention_bias=True)
+    raw = json.loads((path / "config.json").read_text())
+    assert ("rope_scaling" in raw) == legacy_rope and ("rope_parameters" in raw) != legacy_rope
+    config = load_model_config(path)
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 32)
+    assert config.rope.rope_type == "llama3" and config.rope.theta == 5e5
+    assert config.rope.params["factor"] == 8.0
+    assert config.attention_bias and config.o_proj_bias and not config.mlp_bias
+    assert config.eos_token_ids == (2,) and config.sliding_window is None
+
+
+def test_qwen2_and_mistral_specifics(tmp_path):
+    qwen = load_model_config(write_checkpoint(tmp_path / "q", "qwen2", tie_word_embeddings=True, sliding_window=32))
+    assert qwen.attention_bias and not qwen.o_proj_bias and qwen.tie_word_embeddings
+    assert qwen.sliding_window is None  # use_sliding_window is false
+    mistral = load_model_config(write_checkpoint(tmp_path / "m", "mistral", sliding_window=64))
+    assert mistral.sliding_window == 64 and not mistral.attention_bias
+    assert mistral.resolve_max_model_len(None) == 64
+    assert mistral.resolve_max_model_len(48) == 48
+    with pytest.raises(ValueError, match="sliding_window 64"):
+        mistral.resolve_max_model_len(128)
+    with pytest.raises(ValueError, match="max_position_embeddings 256"):
+        qwen.resolve_max_model_len(512)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default"},
+    {"rope_type": "linear", "factor": 2.0},
+    LLAMA3,
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "mscale": 2.0,
+     "mscale_all_dim": 1.0},
+])
+def test_rope_frequencies_match_hf(tmp_path, rope):
+    path = write_checkpoint(tmp_path, "llama", rope_parameters={**rope, "rope_theta": 1e4})
+    ours, our_scaling = rope_inv_freq(load_model_config(path).rope, 16)
+    hf_config = AutoConfig.from_pretrained(path)
+    theirs, their_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu") if rope["rope_type"] != "default" \
+        else (1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16)), 1.0)
+    torch.testing.assert_close(ours, theirs)
+    assert our_scaling == pytest.approx(their_scaling)
+
+
+def test_sharded_load_fuses_projections(tmp_path):
+    path = write_checkpoint(tmp_path, "qwen2", max_shard_size="50KB", tie_word_embeddings=True)
+    assert (path / "model.safetensors.index.json").is_file()
+    model = load(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    attn = model.model.layers[1].self_attn
+    torch.testing.assert_close(attn.qkv_proj.weight, torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.weight"]
+                                                                for p in "qkv"]), rtol=0, atol=0)
+    torch.testing.assert_close(attn.qkv_proj.bias, torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.bias"]
+                                                              for p in "qkv"]), rtol=0, atol=0)
+    assert model.lm_head is None  # tied: logits use the embedding
+
+
+def test_dtypes(tmp_path):
+    path = write_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
+    config = load_model_config(path)
+    assert config.resolve_dtype("auto") == torch.bfloat16
+    assert config.resolve_dtype("float16") == torch.float16
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
+    model = load(path, torch.float32)  # upcast on load
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight,
+                               hf["model.layers.0.mlp.down_proj.weight"].float(), rtol=0, atol=0)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_checkpoint(tmp_path, "llama")
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_model_config(path)
+
+
+def test_missing_tensor_named_and_extra_tensor_ignored(tmp_path):
+    path = write_checkpoint(tmp_path, "llama")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, path / "model.safetensors")
+    load(path)  # the extra tensor is ignored
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        load(path)

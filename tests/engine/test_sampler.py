@@ -1,0 +1,130 @@
+"""The sampler on crafted logits: greedy, masks, seeds, penalties, bias, min_tokens and logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from services.engine.request import Request
+from services.engine.sampler import Sampler
+from services.engine.sampling_params import SamplingParams
+
+VOCAB = 16
+
+
+def request(request_id="r", prompt=(1, 2, 3), output=(), **params) -> Request:
+    r = Request(request_id, list(prompt), SamplingParams(**params), eos_token_ids=(0,))
+    for token in output:
+        r.append_output(token)
+    return r
+
+
+def crafted_logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs).log().unsqueeze(0)  # [1, len(probs)]
+
+
+def test_greedy_and_top_k_1_are_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(6, VOCAB)
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    greedy = [request(f"g{i}", temperature=0.0) for i in range(3)]
+    top1 = [request(f"k{i}", temperature=1.3, top_k=1) for i in range(3)]
+    tokens, logprobs = sampler(logits, greedy + top1)
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == [None] * 6
+
+
+def test_seeded_request_draws_the_same_alone_and_in_a_batch_of_32():
+    torch.manual_seed(0)
+    steps = [torch.randn(33, VOCAB) for _ in range(6)]
+    alone_sampler = Sampler(VOCAB, torch.device("cpu"), seed=1)
+    batch_sampler = Sampler(VOCAB, torch.device("cpu"), seed=2)  # a different engine seed
+    seeded = request("seeded", seed=1234, temperature=0.9, top_p=0.95)
+    others = [request(f"o{i}", temperature=1.0, seed=i if i % 2 else None) for i in range(32)]
+    alone = [alone_sampler(logits[:1], [seeded])[0][0] for logits in steps]
+    batched = [batch_sampler(logits, [seeded] + others)[0][0] for logits in steps]
+    assert alone == batched
+    fresh = Sampler(VOCAB, torch.device("cpu"))
+    assert [fresh(logits[:1], [request("other-id", seed=1234, temperature=0.9, top_p=0.95)])[0][0]
+            for logits in steps[:1]] == alone[:1]  # the generator follows the seed, not the request id
+    alone_sampler.free("seeded")
+    assert "seeded" not in alone_sampler.request_generators
+
+
+@pytest.mark.parametrize(("params", "kept"), [
+    (dict(top_k=2), [0, 1]),
+    (dict(top_p=0.6), [0, 1]),  # mass before token 1 is 0.5 < 0.6, before token 2 is 0.8
+    (dict(top_p=0.5), [0]),
+    (dict(min_p=0.2), [0, 1, 2]),  # keeps p >= 0.2 * 0.5
+    (dict(top_p=0.83), [0, 1, 2]),
+    (dict(top_k=3, top_p=0.83), [0, 1]),  # top_p on the renormalised top 3: (0.5 + 0.3) / 0.95 >= 0.83
+    (dict(), [0, 1, 2, 3]),
+])
+def test_masks_keep_exactly_the_right_tokens(params, kept):
+    probs = [0.5, 0.3, 0.15, 0.05]
+    sampler = Sampler(4, torch.device("cpu"))
+    out = sampler.probabilities(crafted_logits(probs), [SamplingParams(**params)])[0]
+    assert (out > 0).nonzero().squeeze(1).tolist() == kept
+    expected = torch.tensor([probs[i] if i in kept else 0.0 for i in range(4)])
+    torch.testing.assert_close(out, expected / expected.sum())
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    out = Sampler(4, torch.device("cpu")).probabilities(logits, [SamplingParams(temperature=0.5)])
+    torch.testing.assert_close(out, (logits / 0.5).softmax(-1))
+
+
+def test_draws_follow_the_masked_distribution():
+    probs = [0.5, 0.3, 0.15, 0.05]
+    n = 6000
+    rows = [request(f"r{i}", top_p=0.9) for i in range(n)]  # keeps tokens 0..2
+    tokens, _ = Sampler(4, torch.device("cpu"), seed=7)(crafted_logits(probs).expand(n, 4), rows)
+    counts = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+    assert counts[3] == 0
+    torch.testing.assert_close(counts[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95, atol=0.025, rtol=0)
+
+
+def test_penalties_and_logit_bias_change_logits_exactly():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]])
+    sampler = Sampler(6, torch.device("cpu"))
+    rep = request(prompt=(0, 1), output=(3,), repetition_penalty=2.0)
+    torch.testing.assert_close(sampler.process_logits(logits, [rep]),
+                               torch.tensor([[1.0, -4.0, 1.0, -2.0, 0.5, 3.0]]))
+    freq = request(prompt=(0, 1), output=(2, 2, 5), frequency_penalty=0.5, presence_penalty=0.25)
+    torch.testing.assert_close(sampler.process_logits(logits, [freq]),  # prompt tokens 0, 1 untouched
+                               torch.tensor([[2.0, -2.0, 1.0 - 1.0 - 0.25, -1.0, 0.5, 3.0 - 0.5 - 0.25]]))
+    bias = request(logit_bias={4: 10.0, 1: -5.0})
+    torch.testing.assert_close(sampler.process_logits(logits, [bias]),
+                               torch.tensor([[2.0, -7.0, 1.0, -1.0, 10.5, 3.0]]))
+    plain = request()
+    batch = sampler.process_logits(logits.expand(4, 6), [rep, freq, bias, plain])
+    torch.testing.assert_close(batch[3], logits[0])
+    assert sampler(logits, [request(temperature=0.0, logit_bias={4: 10.0})])[0] == [4]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    sampler = Sampler(4, torch.device("cpu"))
+    early = request(output=(3,), temperature=0.0, min_tokens=2, stop_token_ids=(1,))
+    assert sampler(logits, [early])[0] == [2]
+    done = request(output=(3, 3), temperature=0.0, min_tokens=2, stop_token_ids=(1,))
+    assert sampler(logits, [done])[0] == [0]
+
+
+def test_logprobs_are_of_the_raw_distribution_with_rank_and_top():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    sampler = Sampler(4, torch.device("cpu"))
+    # row 0 is pushed to token 3 by a bias; row 1 is greedy with 0 alternatives; logprobs ignore both
+    rows = [request("a", temperature=0.0, logit_bias={3: 100.0}, logprobs=2),
+            request("b", temperature=0.0, logprobs=0, repetition_penalty=1.5)]
+    tokens, logprobs = sampler(logits, rows)
+    raw = logits.log_softmax(-1)
+    assert tokens == [3, 2]
+    first, second = logprobs
+    assert first.token_id == 3 and first.rank == 4
+    assert first.logprob == pytest.approx(raw[0, 3].item())
+    assert [t for t, _ in first.top] == [1, 2]
+    assert [lp for _, lp in first.top] == pytest.approx(raw[0, [1, 2]].tolist())
+    assert second.rank == 1 and second.top == [] and second.logprob == pytest.approx(raw[1, 2].item())
+    assert math.isclose(sum(math.exp(v) for v in raw[0].tolist()), 1.0, rel_tol=1e-6)
