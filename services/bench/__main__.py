@@ -6,6 +6,7 @@ import sys
 TOOLS = {
     "serve": ("services.bench.serve", "load-test a running OpenAI-compatible server"),
     "offline": ("services.bench.offline", "the engine in-process against HF transformers"),
+    "overhead": ("services.bench.overhead", "the whole stack against the engine in-process"),
     "compare": ("services.bench.compare", "two result files side by side, with ratios"),
 }
 
@@ -23,14 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in TOOLS:
         print(f"strata bench: unknown tool {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module_name = TOOLS[argv[0]][0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        print(f"strata bench {argv[0]}: not available yet ({module_name} is missing)", file=sys.stderr)
-        return 2
+    module = importlib.import_module(TOOLS[argv[0]][0])
     return module.main(argv[1:]) or 0
 
 

@@ -1,0 +1,192 @@
+"""`strata bench offline`: the engine in-process against Hugging Face `generate`, same checkpoint,
+same requests, same run, so the ratios are the claim.
+
+Workload: `--num-prompts` requests with prompt lengths uniform in `--input-len` (lo,hi) and output
+lengths uniform in `--output-len` (lo,hi), random token ids, every request runs to its length
+(EOS ignored). Baselines:
+  hf-batch1  HF `generate` one request at a time (on the first `--hf-batch1-prompts` requests,
+             as tok/s, which does not depend on how many are run);
+  hf-static  HF `generate` on all requests as one left-padded static batch that runs until the
+             longest output is done; only the tokens each request asked for count.
+The checkpoint is `--model DIR`, or a random-weight Llama of a shape from `SHAPES` (`--shape`),
+written to a temporary directory.
+"""
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Shapes shared by the project's benchmarks (shared/bench/models.json), Llama architecture.
+SHAPES = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=688, vocab_size=4096, max_position_embeddings=2048),
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1376, vocab_size=8192, max_position_embeddings=4096),
+    "medium": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                   intermediate_size=2048, vocab_size=32000, max_position_embeddings=4096),
+}
+BASELINES = ("hf-batch1", "hf-static")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.engine.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="strata bench offline", description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--shape", default="small", choices=sorted(SHAPES),
+                        help="random-weight Llama shape when --model is not given (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", default="64,512", help="prompt length range lo,hi (default: %(default)s)")
+    parser.add_argument("--output-len", default="64,256", help="output length range lo,hi (default: %(default)s)")
+    parser.add_argument("--baselines", default=",".join(BASELINES), help="comma list of %s, or none" % ", ".join(BASELINES))
+    parser.add_argument("--hf-batch1-prompts", type=int, default=6, help="requests the batch-1 baseline runs")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--save-result", action="store_true", help="write the JSON result file")
+    parser.add_argument("--result-dir", default="results")
+    parser.add_argument("--result-filename", default=None)
+    return parser
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"strata bench offline: bad range {text!r}: need 1 <= lo <= hi")
+    return lo, hi
+
+
+def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
+                  seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))] for _ in range(num_prompts)]
+    return prompts, [rng.randint(*output_len) for _ in range(num_prompts)]
+
+
+def write_random_llama(directory: Path, shape: str, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**SHAPES[shape], torch_dtype="float32")).save_pretrained(directory)
+    return directory
+
+
+def run_strata(config, prompts, output_lens) -> dict[str, float]:
+    from services.engine.llm import LLM
+    from services.engine.sampling_params import SamplingParams
+
+    llm = LLM(config)
+    llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, not counted
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    started = time.perf_counter()
+    completions = llm.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    num_out = sum(len(c.token_ids) for c in completions)
+    stats = llm.core.stats()
+    return {"duration_s": seconds, "completed": len(completions), "total_output_tokens": num_out,
+            "total_input_tokens": sum(map(len, prompts)), "output_throughput": num_out / seconds,
+            "num_preemptions": stats.num_preemptions}
+
+
+def _hf_model(model_dir: str, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, "auto")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    model.generation_config.eos_token_id = None  # every request runs to its length, as ignore_eos
+    return model
+
+
+def run_hf_batch1(model, prompts, output_lens) -> dict[str, float]:
+    import torch
+
+    num_out, started = 0, time.perf_counter()
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, output_lens):
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 pad_token_id=0)
+            num_out += out.shape[1] - len(prompt)
+    seconds = time.perf_counter() - started
+    return {"duration_s": seconds, "completed": len(prompts), "total_output_tokens": num_out,
+            "output_throughput": num_out / seconds}
+
+
+def run_hf_static(model, prompts, output_lens) -> dict[str, float]:
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding, as HF batching of decoder-only models wants
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(output_lens), pad_token_id=0)
+    seconds = time.perf_counter() - started
+    useful = sum(output_lens)  # tokens past a request's own length are waste, not output
+    return {"duration_s": seconds, "completed": len(prompts), "total_output_tokens": useful,
+            "output_throughput": useful / seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.bench.results import BenchResult, RunResult, save_result
+    from services.engine.engine_args import config_from_args
+
+    args = build_parser().parse_args(argv)
+    baselines = [] if args.baselines == "none" else args.baselines.split(",")
+    unknown = set(baselines) - set(BASELINES)
+    if unknown:
+        raise SystemExit(f"strata bench offline: unknown baseline(s) {sorted(unknown)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.model:
+            print(f"writing a random-weight '{args.shape}' Llama checkpoint ...", file=sys.stderr)
+            args.model = str(write_random_llama(Path(tmp) / args.shape, args.shape))
+        config = config_from_args(args)
+        from services.engine.models.config import load_model_config
+
+        vocab_size = load_model_config(config.model).vocab_size
+        prompts, output_lens = make_workload(args.num_prompts, _range(args.input_len), _range(args.output_len),
+                                             vocab_size, args.workload_seed)
+        runs = [RunResult("strata", params={"max_num_seqs": config.max_num_seqs},
+                          metrics=run_strata(config, prompts, output_lens))]
+        _print_progress(runs[-1])
+        if baselines:
+            model = _hf_model(config.model, config.dtype)
+            if "hf-batch1" in baselines:
+                k = min(args.hf_batch1_prompts, len(prompts))
+                runs.append(RunResult("hf-batch1", params={"num_prompts": k},
+                                      metrics=run_hf_batch1(model, prompts[:k], output_lens[:k])))
+                _print_progress(runs[-1])
+            if "hf-static" in baselines:
+                runs.append(RunResult("hf-static", params={"batch_size": len(prompts)},
+                                      metrics=run_hf_static(model, prompts, output_lens)))
+                _print_progress(runs[-1])
+    print(format_table(runs))
+    result = BenchResult("offline", config={**vars(args), "workload": {
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len}}, runs=runs)
+    if args.save_result:
+        name = args.result_filename or f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        print(f"result: {save_result(result, Path(args.result_dir) / name)}")
+    return 0
+
+
+def _print_progress(run) -> None:
+    m = run.metrics
+    print(f"  {run.label:<10} {m['total_output_tokens']:>7} tokens in {m['duration_s']:7.2f}s", file=sys.stderr)
+
+
+def format_table(runs) -> str:
+    strata = runs[0].metrics["output_throughput"]
+    lines = ["=========== Offline benchmark: output tokens/s ===========",
+             f"{'run':<12}{'tokens':>10}{'seconds':>10}{'tok/s':>10}{'strata / run':>14}"]
+    for run in runs:
+        m = run.metrics
+        ratio = strata / m["output_throughput"]
+        lines.append(f"{run.label:<12}{m['total_output_tokens']:>10}{m['duration_s']:>10.2f}"
+                     f"{m['output_throughput']:>10.1f}{ratio:>13.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""`strata bench overhead`: what serving costs. The same requests run twice in one invocation:
+through the whole stack (gateway → engine gRPC → tokenizer detokenize → SSE, streamed by
+concurrent clients) and in-process on the engine alone; output tokens/s of both and their ratio.
+
+Both runs use the same engine settings, with `--max-num-seqs` set to `--max-concurrency`, so the
+in-process engine batches as many requests as the clients keep in flight. Requests are token-id
+prompts of `--input-len` tokens ± `--range-ratio`, each generating `--output-len` tokens (EOS
+ignored, greedy).
+"""
+
+import argparse
+import asyncio
+import gc
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.engine.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="strata bench overhead", description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len·(1±r)")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    return parser
+
+
+def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.workload_seed)
+
+    def length(mean: int) -> int:
+        return rng.randint(max(1, int(mean * (1 - args.range_ratio))), max(1, int(mean * (1 + args.range_ratio))))
+
+    prompts = [[rng.randrange(vocab_size) for _ in range(length(args.input_len))] for _ in range(args.num_prompts)]
+    return prompts, [length(args.output_len) for _ in prompts]
+
+
+def run_in_process(config, prompts, output_lens) -> tuple[int, float]:
+    from services.engine.llm import LLM
+    from services.engine.sampling_params import SamplingParams
+
+    llm = LLM(config)
+    llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    started = time.perf_counter()
+    completions = llm.generate(prompts, params)
+    return sum(len(c.token_ids) for c in completions), time.perf_counter() - started
+
+
+async def _stream_all(base_url: str, model: str, prompts, output_lens, concurrency: int) -> tuple[int, float, int]:
+    from services.bench.client import RequestSettings
+    from services.bench.datasets import BenchRequest
+    from services.bench.runner import RunPlan, send_all
+
+    settings = RequestSettings(url=base_url + "/v1/completions", model=model, chat=False, ignore_eos=True,
+                               temperature=0.0)
+    requests = [BenchRequest(prompt_len=len(p), output_len=n, prompt=p) for p, n in zip(prompts, output_lens)]
+    async with httpx.AsyncClient(timeout=600, trust_env=False,
+                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        await send_all(client, settings, requests[:2], RunPlan(max_concurrency=2))  # warm-up
+        outputs, seconds = await send_all(client, settings, requests, RunPlan(max_concurrency=concurrency))
+    failed = sum(not o.success for o in outputs)
+    return sum(o.output_tokens for o in outputs if o.success), seconds, failed
+
+
+def run_through_stack(config, engine_argv: list[str], prompts, output_lens, concurrency: int) -> tuple[int, float, int]:
+    from services.launcher import Stack, StackConfig, find_free_port
+
+    with tempfile.TemporaryDirectory() as logs:
+        stack_config = StackConfig(model=config.model, port=find_free_port(), served_model_name="bench",
+                                   engine_args=engine_argv, gateway_args=["--log-level", "warning"],
+                                   log_dir=Path(logs), echo_logs=False)
+        with Stack(stack_config) as stack:
+            return asyncio.run(_stream_all(stack.base_url, "bench", prompts, output_lens, concurrency))
+
+
+def _engine_argv(config) -> list[str]:
+    argv = ["--dtype", config.dtype, "--device", config.device, "--block-size", str(config.block_size),
+            "--max-num-seqs", str(config.max_num_seqs),
+            "--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    if config.num_kv_blocks is not None:
+        argv += ["--num-kv-blocks", str(config.num_kv_blocks)]
+    if not config.enable_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.engine.engine_args import config_from_args
+    from services.engine.models.config import load_model_config
+
+    args = build_parser().parse_args(argv)
+    args.max_num_seqs = args.max_concurrency
+    config = config_from_args(args)
+    prompts, output_lens = make_workload(args, load_model_config(config.model).vocab_size)
+    print(f"{len(prompts)} requests, {sum(output_lens)} output tokens, concurrency {args.max_concurrency}",
+          file=sys.stderr)
+    engine_tokens, engine_s = run_in_process(config, prompts, output_lens)
+    gc.collect()
+    stack_tokens, stack_s, failed = run_through_stack(config, _engine_argv(config), prompts, output_lens,
+                                                      args.max_concurrency)
+    engine_tps, stack_tps = engine_tokens / engine_s, stack_tokens / stack_s
+    print("============ Serving overhead: output tokens/s ============")
+    print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}")
+    print(f"{'engine in-process':<26}{engine_tokens:>8}{engine_s:>9.2f}{engine_tps:>9.1f}")
+    print(f"{'gateway, streamed':<26}{stack_tokens:>8}{stack_s:>9.2f}{stack_tps:>9.1f}")
+    print(f"gateway / engine: {stack_tps / engine_tps:.2f}x" + (f"  ({failed} requests failed)" if failed else ""))
+    return 1 if failed else 0
