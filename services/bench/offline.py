@@ -19,15 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Shapes shared by the project's benchmarks (shared/bench/models.json), Llama architecture.
-SHAPES = {
-    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=688, vocab_size=4096, max_position_embeddings=2048),
-    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=1376, vocab_size=8192, max_position_embeddings=4096),
-    "medium": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                   intermediate_size=2048, vocab_size=32000, max_position_embeddings=4096),
-}
+from services.bench.checkpoints import SHAPES, write_random_llama
+
 BASELINES = ("hf-batch1", "hf-static")
 
 
@@ -62,15 +55,6 @@ def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tupl
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))] for _ in range(num_prompts)]
     return prompts, [rng.randint(*output_len) for _ in range(num_prompts)]
-
-
-def write_random_llama(directory: Path, shape: str, seed: int = 0) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**SHAPES[shape], torch_dtype="float32")).save_pretrained(directory)
-    return directory
 
 
 def run_strata(config, prompts, output_lens) -> dict[str, float]:

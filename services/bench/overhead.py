@@ -19,12 +19,17 @@ from pathlib import Path
 
 import httpx
 
+from services.bench.checkpoints import SHAPES, write_random_llama
+
 
 def build_parser() -> argparse.ArgumentParser:
     from services.engine.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser(prog="strata bench overhead", description=__doc__.splitlines()[0])
     add_engine_args(parser)
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="a random-weight Llama of this shape (vocabulary of the built-in tokenizer) "
+                             "instead of --model")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
@@ -95,11 +100,18 @@ def _engine_argv(config) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.max_num_seqs = args.max_concurrency
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.shape:
+            args.model = str(write_random_llama(Path(tmp) / args.shape, args.shape, servable=True))
+        return _run(args)
+
+
+def _run(args) -> int:
     from services.engine.engine_args import config_from_args
     from services.engine.models.config import load_model_config
 
-    args = build_parser().parse_args(argv)
-    args.max_num_seqs = args.max_concurrency
     config = config_from_args(args)
     prompts, output_lens = make_workload(args, load_model_config(config.model).vocab_size)
     print(f"{len(prompts)} requests, {sum(output_lens)} output tokens, concurrency {args.max_concurrency}",

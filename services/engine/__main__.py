@@ -1,7 +1,6 @@
 """`python -m services.engine [--model DIR] [--port P] ...` (also `strata engine`)."""
 
 import argparse
-import asyncio
 import logging
 
 from services.engine.engine_args import add_engine_args, config_from_args
@@ -23,10 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
-    from services.engine.server import serve
+    from services.engine.server import run_server
 
-    asyncio.run(serve(config, args.host, args.port, args.served_model_name or config.model,
-                      args.shutdown_timeout, args.metrics_port))
+    run_server(config, args.host, args.port, args.served_model_name or config.model,
+               args.shutdown_timeout, args.metrics_port)
     return 0
 
 

@@ -1,5 +1,9 @@
-"""The asyncio facade over `EngineCore`: the engine loop runs in its own thread, requests and
+"""The asyncio facade over `EngineCore`: the engine loop runs in a thread of its own, requests and
 aborts reach it through a thread-safe inbox, outputs come back to per-request asyncio queues.
+
+Run the loop on the process's main thread when you can (`run()`, with asyncio in another thread):
+on CPU, steps driven from the main thread are ~20% faster, because OpenMP keeps the worker threads
+of the initial thread's team spin-waiting between the many small parallel regions of a step.
 
 Contract: `generate()` validates at once (raising InvalidRequestError in the caller), then yields
 the request's outputs until the one with a finish reason. Leaving the iteration early (the caller
@@ -7,6 +11,7 @@ is cancelled or closes it) aborts the request, which frees its KV blocks.
 """
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -55,13 +60,19 @@ class AsyncEngine:
         self._started = False
 
     def start(self) -> None:
+        """Runs the engine loop in a background thread."""
         if not self._started:
             self._started = True
             self._thread.start()
 
+    def run(self) -> None:
+        """Runs the engine loop in the calling thread until `shutdown()` (from any thread)."""
+        self._run()
+
     def shutdown(self) -> None:
-        if self._started:
-            self._inbox.put(_Stop())
+        """Fails the requests still running and stops the loop; safe from any thread."""
+        self._inbox.put(_Stop())
+        if self._started and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
 
     @property
@@ -92,6 +103,8 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await stream.get()
+                while isinstance(item, RequestOutput) and not item.finished and not stream.empty():
+                    item = _merge(item, stream.get_nowait())  # a slow consumer gets fewer, bigger outputs
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -170,6 +183,14 @@ class AsyncEngine:
         for request_id in request_ids:
             self.core.abort(request_id)
             self._deliver_error(request_id, exc)
+
+
+def _merge(earlier: RequestOutput, later: RequestOutput | BaseException) -> RequestOutput | BaseException:
+    """One output carrying both steps' tokens (an error wins: the request failed)."""
+    if isinstance(later, BaseException):
+        return later
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                               logprobs=earlier.logprobs + later.logprobs)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

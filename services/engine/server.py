@@ -8,6 +8,7 @@ a shutdown began; then new requests get UNAVAILABLE while in-flight ones finish 
 import asyncio
 import logging
 import signal
+import threading
 import uuid
 
 from services.common.errors import ServiceUnavailableError
@@ -70,40 +71,57 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
 
 
-def _load_engine(config: EngineConfig, metrics: EngineMetrics) -> AsyncEngine:
-    core = EngineCore(config)
-    core.warmup()
-    return AsyncEngine(core, on_step=metrics.observe_step)
-
-
-async def serve(config: EngineConfig, host: str, port: int, served_model_name: str,
-                shutdown_timeout_s: float, metrics_port: int | None) -> None:
+def run_server(config: EngineConfig, host: str, port: int, served_model_name: str,
+               shutdown_timeout_s: float, metrics_port: int | None) -> None:
+    """Serves until SIGTERM/SIGINT. The gRPC server (asyncio) runs in a background thread; this
+    (main) thread loads the model and then runs the engine loop (see `AsyncEngine.run`)."""
     metrics = EngineMetrics(served_model_name)
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
-    server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
+    loop = asyncio.new_event_loop()
     servicer = EngineServicer(config, served_model_name)
+    stop_requested = asyncio.Event()
+    engine_ready = asyncio.Event()
+    grpc_thread = threading.Thread(
+        target=loop.run_until_complete, name="grpc",
+        args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested),))
+    stopping = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stopping.set()
+        loop.call_soon_threadsafe(stop_requested.set)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    grpc_thread.start()
+    core = EngineCore(config)
+    core.warmup()
+    if not stopping.is_set():
+        engine = AsyncEngine(core, on_step=metrics.observe_step)
+        servicer.engine = engine
+        loop.call_soon_threadsafe(engine_ready.set)
+        engine.run()  # until _serve_grpc calls engine.shutdown()
+    grpc_thread.join()
+
+
+async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_timeout_s: float,
+                      engine_ready: asyncio.Event, stop_requested: asyncio.Event) -> None:
+    config = servicer.config
+    server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}")
     await server.start()
     log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
-
-    stop_requested = asyncio.Event()
+    ready = asyncio.create_task(engine_ready.wait())
+    await asyncio.wait([ready, asyncio.create_task(stop_requested.wait())], return_when=asyncio.FIRST_COMPLETED)
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop_requested.set)
-
-    load = asyncio.create_task(asyncio.to_thread(_load_engine, config, metrics))
-    await asyncio.wait([load, asyncio.create_task(stop_requested.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if load.done():
-        servicer.engine = load.result()
-        servicer.engine.start()
+    if ready.done():
         servicer.accepting = True
         await server.set_serving()
+        core = servicer.engine.core
         log.info("engine %s ready: %d KV blocks of %d tokens, max model len %d", config.replica_id,
-                 servicer.engine.core.num_kv_blocks, config.block_size, servicer.engine.core.max_model_len)
+                 core.num_kv_blocks, config.block_size, core.max_model_len)
         await stop_requested.wait()
-
     log.info("shutting down: no new requests; waiting up to %.0fs for in-flight ones", shutdown_timeout_s)
     servicer.accepting = False
     await server.set_serving(False)
