@@ -15,12 +15,17 @@ Two paths, chosen per request:
 All index tensors are built once per step in ``prepare``; layers only run the kernels.
 """
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
+
+# The decode path builds a CSR pattern per step; torch says once per process that CSR is beta.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled", category=UserWarning)
 
 
 @dataclass
