@@ -10,7 +10,7 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 @dataclass
 class EngineConfig:
     model: str  # a Hugging Face checkpoint directory
-    dtype: str = "float32"  # "auto" takes the checkpoint's torch_dtype
+    dtype: str = "auto"  # the checkpoint's own dtype (float32 when it names none)
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: size the pool from kv_cache_memory_bytes

@@ -9,7 +9,8 @@ from services.engine.config import DTYPES, EngineConfig
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in default model)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="weights dtype; auto takes the checkpoint's (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")

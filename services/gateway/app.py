@@ -72,8 +72,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse({**error.body(), **upstreams}, status_code=503)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    async def prometheus_metrics(request: Request) -> Response:
+        upstream = gateway_state(request).upstream
+        load = await upstream.load()
+        model_name = (await upstream.facts()).name if load is not None else ""
+        return Response(metrics.render(load, model_name), media_type=CONTENT_TYPE)
 
     # Outermost last: the request id covers every response, 401 and 413 included.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)

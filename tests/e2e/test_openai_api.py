@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, engine_load
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -160,3 +160,22 @@ def test_health_and_metrics(http):
                  "strata:e2e_request_latency_seconds_bucket{"):
         assert name in text
     assert 'finished_reason="length",model_name="strata-tiny-v1"' in text
+
+
+def _metric(text: str, prefix: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(prefix)]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_carry_the_engines_prefix_cache_and_load(http, engine):
+    prompt = list(range(10, 10 + 64))  # four full blocks of 16
+    hits = 'strata:prefix_cache_hits_total{model_name="strata-tiny-v1",replica="engine-0"}'
+    before = _metric(http.get("/metrics").text, hits)
+    for _ in range(2):  # the second request finds the first one's blocks
+        http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    text = http.get("/metrics").text
+    assert _metric(text, hits) - before >= 48
+    load = engine_load(engine)
+    assert _metric(text, 'strata:prefix_cache_hits_total{') == load.prefix_cache_hits
+    assert _metric(text, 'strata:num_preemptions_total{') == load.num_preemptions
+    assert _metric(text, 'strata:kv_cache_usage_perc{') == 0.0
