@@ -1,6 +1,6 @@
 """Paged attention in plain torch: the CPU path, and the reference the Triton backend is checked against.
 
-Two paths, chosen per request:
+Three paths, chosen per request:
 
 - **Decode** (one new token, float32): no copy of the cache at all. The scores are a sampled matmul
   (``torch.sparse.sampled_addmm``) of the queries against the K pool, restricted by a CSR pattern whose
@@ -8,9 +8,12 @@ Two paths, chosen per request:
   context; the probabilities then weight the same V pool rows in one ``embedding_bag`` sum (faster
   than CSR @ dense here). Rows are ragged, so no work is spent on padding except a small padded
   buffer for the softmax.
-- **Prefill** (and decode in 16-bit dtypes, which the sparse kernels lack): each request's context is
-  gathered from the pool with one ``index_select`` and attended with ``scaled_dot_product_attention``
-  under a causal mask offset by the cached prefix, padded to the longest request in the group.
+- **Gathered decode** (one new token, 16-bit dtypes, which the sparse kernels lack): the contexts are
+  gathered from the pool with one ``index_select``, padded to the longest, and attended with
+  ``scaled_dot_product_attention`` under a length mask.
+- **Prefill** (more than one new token), one ``scaled_dot_product_attention`` per request, so no work
+  is spent on padding: a request without a cached prefix attends its own new K/V with
+  ``is_causal``; one with a prefix gathers its context from the pool under a causal mask offset by it.
 
 All index tensors are built once per step in ``prepare``; layers only run the kernels.
 """
@@ -34,27 +37,35 @@ class SparseDecodeIndex:
 
     crow_indices: torch.Tensor  # [num_decodes * num_heads + 1]
     col_indices: torch.Tensor  # [nnz]: slot * num_kv_heads + kv_head, per (request, head) row
-    zeros: torch.Tensor  # [nnz]: the ignored values of sampled_addmm's pattern argument
     # crow_indices[:-1] doubles as embedding_bag's offsets: one bag per (request, head) row
-    padded_index: torch.Tensor  # [nnz]: position of each entry in a [num_rows, max_len] padded buffer
-    max_len: int
+    padded_index: torch.Tensor  # [nnz]: position of each entry in padded_scores
+    padded_scores: torch.Tensor  # [num_rows, max_len]: -inf, except at padded_index, where each layer writes
 
 
 @dataclass
-class DenseIndex:
-    """Gather/scatter indices for the requests attended densely (the batch's last rows).
-    Padding reads stale but finite pool entries (the pools start zeroed) and is masked out."""
+class GatheredDecodeIndex:
+    """Gather indices for decode rows attended densely. Padding reads stale but finite pool entries
+    (the pools start zeroed) and is masked out."""
 
     kv_slots: torch.Tensor  # [num_reqs, max_seq_len]: slot of each context position
-    q_rows: torch.Tensor  # [num_reqs, max_query_len]: batch row of each query (a valid row when padded)
-    mask: torch.Tensor  # [num_reqs, 1, max_query_len, max_seq_len] bool: causal, offset by the prefix
-    out_rows: torch.Tensor  # [num_dense_tokens]: flat index of each real query in the padded output
+    mask: torch.Tensor  # [num_reqs, 1, 1, max_seq_len] bool: the position is in the context
+
+
+@dataclass
+class PrefillChunk:
+    """One request's new rows ``start:end``, attended on their own."""
+
+    start: int
+    end: int
+    kv_slots: torch.Tensor | None  # [seq_len]: slot of each context position; None without a cached prefix
+    mask: torch.Tensor | None  # [end - start, seq_len] bool: causal, offset by the prefix; None without one
 
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    sparse_decode: SparseDecodeIndex | None = None
-    dense: DenseIndex | None = None
+    sparse_decode: SparseDecodeIndex | None
+    gathered_decode: GatheredDecodeIndex | None
+    prefills: list[PrefillChunk]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -63,10 +74,14 @@ class TorchAttentionBackend(AttentionBackend):
         self.use_sparse_decode = dtype == torch.float32
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
-        num_sparse = metadata.num_decodes if self.use_sparse_decode else 0
-        sparse = self._sparse_decode_index(metadata, num_sparse) if num_sparse else None
-        dense = self._dense_index(metadata, num_sparse) if num_sparse < metadata.num_reqs else None
-        return TorchAttentionMetadata(**vars(metadata), sparse_decode=sparse, dense=dense)
+        num_decodes = metadata.num_decodes
+        sparse = gathered = None
+        if num_decodes and self.use_sparse_decode:
+            sparse = self._sparse_decode_index(metadata, num_decodes)
+        elif num_decodes:
+            gathered = self._gathered_decode_index(metadata, num_decodes)
+        return TorchAttentionMetadata(**vars(metadata), sparse_decode=sparse, gathered_decode=gathered,
+                                      prefills=self._prefill_chunks(metadata))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
@@ -76,10 +91,12 @@ class TorchAttentionBackend(AttentionBackend):
         k_slots.index_copy_(0, metadata.slot_mapping, k)
         v_slots.index_copy_(0, metadata.slot_mapping, v)
         outputs = []
+        decode_q = q[:metadata.num_decodes]
         if metadata.sparse_decode is not None:
-            outputs.append(self._decode(q[:metadata.num_decodes], k_cache, v_cache, metadata.sparse_decode))
-        if metadata.dense is not None:
-            outputs.append(self._dense(q, k_slots, v_slots, metadata.dense))
+            outputs.append(self._decode(decode_q, k_cache, v_cache, metadata.sparse_decode))
+        if metadata.gathered_decode is not None:
+            outputs.append(self._gathered_decode(decode_q, k_slots, v_slots, metadata.gathered_decode))
+        outputs.extend(self._prefill(q, k, v, k_slots, v_slots, chunk) for chunk in metadata.prefills)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -88,31 +105,46 @@ class TorchAttentionBackend(AttentionBackend):
         # k_rows, v_rows: [num_slots * num_kv_heads, head_dim]
         k_rows = k_cache.view(-1, self.head_dim)
         v_rows = v_cache.view(-1, self.head_dim)
-        shape = (num_rows, k_rows.shape[0])
-        pattern = torch.sparse_csr_tensor(index.crow_indices, index.col_indices, index.zeros, shape,
+        # The sampled matmul writes the scores into the pattern's own zeroed values (out=pattern), which
+        # spares the copy of the pattern it otherwise makes.
+        scores = torch.zeros(index.col_indices.shape[0], dtype=q.dtype, device=q.device)  # [nnz]
+        pattern = torch.sparse_csr_tensor(index.crow_indices, index.col_indices, scores, (num_rows, k_rows.shape[0]),
                                           check_invariants=False)
-        q_rows = (q * self.scale).view(num_rows, self.head_dim)  # [reqs * heads, D]
-        scores = torch.sparse.sampled_addmm(pattern, q_rows, k_rows.t(), beta=0.0).values()  # [nnz]
-        padded = torch.full((num_rows * index.max_len,), float("-inf"), dtype=q.dtype, device=q.device)
-        padded.index_copy_(0, index.padded_index, scores)
-        probs = padded.view(num_rows, index.max_len).softmax(-1).view(-1).index_select(0, index.padded_index)
+        torch.sparse.sampled_addmm(pattern, q.reshape(num_rows, self.head_dim), k_rows.t(), beta=0.0,
+                                   alpha=self.scale, out=pattern)
+        index.padded_scores.view(-1).index_copy_(0, index.padded_index, scores)
+        probs = index.padded_scores.softmax(-1).view(-1).index_select(0, index.padded_index)
         out = F.embedding_bag(index.col_indices, v_rows, index.crow_indices[:-1], mode="sum",
                               per_sample_weights=probs)  # [reqs * heads, D]
         return out.view(q.shape)  # [reqs, heads, D]
 
-    def _dense(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
-               index: DenseIndex) -> torch.Tensor:
-        num_reqs, max_query_len = index.q_rows.shape
-        max_seq_len = index.kv_slots.shape[1]
-        # q_pad: [R, heads, Q, D]; k_ctx, v_ctx: [R, kv_heads, S, D] (strided views of the gathered rows)
-        q_pad = q.index_select(0, index.q_rows.view(-1)).view(num_reqs, max_query_len, self.num_heads, -1)
+    def _gathered_decode(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                         index: GatheredDecodeIndex) -> torch.Tensor:
+        num_reqs, max_seq_len = index.kv_slots.shape
+        # k_ctx, v_ctx: [R, S, kv_heads, D]
         k_ctx = k_slots.index_select(0, index.kv_slots.view(-1)).view(num_reqs, max_seq_len, self.num_kv_heads, -1)
         v_ctx = v_slots.index_select(0, index.kv_slots.view(-1)).view(num_reqs, max_seq_len, self.num_kv_heads, -1)
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-            attn_mask=index.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out.transpose(1, 2).reshape(num_reqs * max_query_len, self.num_heads, self.head_dim)
-        return out.index_select(0, index.out_rows)  # [dense tokens, heads, D]
+        out = self._attend(q.unsqueeze(1), k_ctx, v_ctx, attn_mask=index.mask)  # [R, 1, heads, D]
+        return out.squeeze(1)  # [R, heads, D]
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor,
+                 v_slots: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        q = q[chunk.start:chunk.end]  # [Q, heads, D]
+        if chunk.kv_slots is None:
+            out = self._attend(q.unsqueeze(0), k[chunk.start:chunk.end].unsqueeze(0),
+                               v[chunk.start:chunk.end].unsqueeze(0), is_causal=True)
+        else:  # k_ctx, v_ctx: [1, S, kv_heads, D]
+            k_ctx = k_slots.index_select(0, chunk.kv_slots).unsqueeze(0)
+            v_ctx = v_slots.index_select(0, chunk.kv_slots).unsqueeze(0)
+            out = self._attend(q.unsqueeze(0), k_ctx, v_ctx, attn_mask=chunk.mask)
+        return out.squeeze(0)  # [Q, heads, D]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **mask) -> torch.Tensor:
+        """``q: [B, Q, heads, D]``, ``k, v: [B, S, kv_heads, D]`` → ``[B, Q, heads, D]``."""
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+                                             **mask)
+        return out.transpose(1, 2)
 
     def _sparse_decode_index(self, m: AttentionMetadata, num_decodes: int) -> SparseDecodeIndex:
         device = m.slot_mapping.device
@@ -128,21 +160,30 @@ class TorchAttentionBackend(AttentionBackend):
         col_indices = cols_padded.reshape(-1).index_select(0, padded_index)
         row_lens = seq_lens.repeat_interleave(self.num_heads)
         crow_indices = torch.cat([row_lens.new_zeros(1), row_lens.cumsum(0)])
-        zeros = torch.zeros(col_indices.shape[0], dtype=torch.float32, device=device)
-        return SparseDecodeIndex(crow_indices, col_indices, zeros, padded_index, max_len)
+        padded_scores = torch.full((num_decodes * self.num_heads, max_len), float("-inf"), device=device)
+        return SparseDecodeIndex(crow_indices, col_indices, padded_index, padded_scores)
 
-    def _dense_index(self, m: AttentionMetadata, first: int) -> DenseIndex:
+    def _gathered_decode_index(self, m: AttentionMetadata, num_decodes: int) -> GatheredDecodeIndex:
+        seq_lens = m.seq_lens[:num_decodes]  # [R]
+        kv_pos = torch.arange(int(seq_lens.max()), device=m.slot_mapping.device)  # [S]
+        kv_slots = m.block_tables[:num_decodes, kv_pos // m.block_size] * m.block_size + kv_pos % m.block_size
+        mask = kv_pos < seq_lens.unsqueeze(1)  # [R, S]
+        return GatheredDecodeIndex(kv_slots, mask.view(num_decodes, 1, 1, -1))
+
+    def _prefill_chunks(self, m: AttentionMetadata) -> list[PrefillChunk]:
         device = m.slot_mapping.device
-        starts = m.query_start_loc[first:-1]  # [R]
-        query_lens = m.query_start_loc[first + 1:] - starts
-        context_lens = m.context_lens[first:]
-        seq_lens = m.seq_lens[first:]
-        max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
-        kv_pos = torch.arange(max_seq_len, device=device)  # [S]
-        kv_slots = m.block_tables[first:, kv_pos // m.block_size] * m.block_size + kv_pos % m.block_size  # [R, S]
-        q_pos = torch.arange(max_query_len, device=device)  # [Q]
-        is_real = q_pos < query_lens.unsqueeze(1)  # [R, Q]
-        q_rows = torch.where(is_real, starts.unsqueeze(1) + q_pos, starts.unsqueeze(1))  # [R, Q]
-        mask = kv_pos.view(1, 1, -1) <= (context_lens.view(-1, 1, 1) + q_pos.view(1, -1, 1))  # [R, Q, S]
-        out_rows = is_real.reshape(-1).nonzero().squeeze(1)
-        return DenseIndex(kv_slots, q_rows, mask.unsqueeze(1), out_rows)
+        first = m.num_decodes
+        starts, context_lens = m.query_start_loc[first:].tolist(), m.context_lens[first:].tolist()
+        chunks = []
+        for i, context_len in enumerate(context_lens):
+            start, end = starts[i], starts[i + 1]
+            if context_len == 0:
+                chunks.append(PrefillChunk(start, end, None, None))
+                continue
+            kv_pos = torch.arange(context_len + end - start, device=device)  # [S]
+            table = m.block_tables[first + i]
+            kv_slots = table[kv_pos // m.block_size] * m.block_size + kv_pos % m.block_size
+            q_pos = torch.arange(end - start, device=device)  # [Q]
+            mask = kv_pos <= context_len + q_pos.unsqueeze(1)  # [Q, S]
+            chunks.append(PrefillChunk(start, end, kv_slots, mask))
+        return chunks

@@ -20,11 +20,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``, the sum
+        accumulated in place into ``residual``."""
         if residual is None:
             return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        residual.add_(x)
+        return self._norm(residual), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -45,5 +46,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # [T, H]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each, strided
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # [T, H]

@@ -11,15 +11,16 @@ from torch.nn.utils import skip_init
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.models.config import ModelConfig
 from services.engine.models.layers import GatedMLP, RMSNorm, empty_linear
-from services.engine.models.rope import RotaryEmbedding
+from services.engine.models.rope import RotaryEmbedding, apply_rotary_
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool): [num_blocks, block_size, kv_heads, head_dim]
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the step's positions: [T, 1, head_dim] each
 _FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -27,36 +28,34 @@ class LlamaAttention(nn.Module):
         self.o_proj = empty_linear(self.num_heads * self.head_dim, config.hidden_size, config.o_proj_bias,
                                    dtype, device)
         self.attention = attention
-        self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x)  # [T, (heads + 2 * kv_heads) * D]
-        qk = self.rotary(positions, qkv[:, :num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, -1))
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, heads + 2 * kv_heads, D]
+        qk = qkv[:, :self.num_heads + self.num_kv_heads]
+        apply_rotary_(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # q: [T, heads, D], k: [T, kv_heads, D]
-        v = qkv[:, num_qk_heads * self.head_dim:].view(num_tokens, self.num_kv_heads, -1)  # [T, kv_heads, D]
+        v = qkv[:, self.num_heads + self.num_kv_heads:]  # [T, kv_heads, D]
         out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata)  # [T, heads, D]
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attention, rotary, dtype, device)
+        self.self_attn = LlamaAttention(config, attention, dtype, device)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden = self.self_attn(rope, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -66,17 +65,18 @@ class LlamaModel(nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, rotary, dtype, device)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, dtype, device)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
+        rope = self.rotary.tables(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

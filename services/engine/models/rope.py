@@ -68,19 +68,29 @@ def _yarn_inv_freq(theta: float, head_dim: int, p: dict) -> tuple[torch.Tensor, 
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin per position, applied to q and k in one call."""
+    """Precomputed cos/sin per position. ``tables`` gathers a step's rows once; ``apply_rotary_``
+    rotates q and k with them in every layer."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(rope, head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
-        self.cos = (freqs.cos() * scaling).to(device=device, dtype=dtype)
-        self.sin = (freqs.sin() * scaling).to(device=device, dtype=dtype)
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        self.cos = torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype)  # [P, D]
+        self.sin = torch.cat((sin, -sin), dim=-1).to(device=device, dtype=dtype)  # [P, D]: signs for apply_rotary_
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x: [num_tokens, num_heads, head_dim]`` → rotated copy of the same shape."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)  # [T, heads, D/2] each
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` for ``positions [T]``, each ``[T, 1, D]``."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates ``x: [T, heads, D]`` in place: ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` for the
+    halves ``x1, x2``, rounded exactly as HF's ``x * cos + rotate_half(x) * sin``."""
+    partner = x * sin  # [T, heads, D]: (x1 * sin, -(x2 * sin))
+    x.mul_(cos)
+    x1, x2 = x.chunk(2, dim=-1)
+    partner1, partner2 = partner.chunk(2, dim=-1)
+    x1.add_(partner2)
+    x2.add_(partner1)

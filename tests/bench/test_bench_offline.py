@@ -1,0 +1,29 @@
+"""`strata bench offline` end to end on a tiny shape: it runs the engine and both HF baselines on
+the same requests, prints the table and writes a result that `strata bench compare` reads."""
+
+import json
+
+from services.bench import compare, offline
+from services.bench.results import load_result
+
+
+def test_offline_bench_runs_engine_and_baselines_and_writes_a_comparable_result(tmp_path, capsys):
+    argv = ["--shape", "tiny", "--num-prompts", "4", "--input-len", "8,24", "--output-len", "4,8",
+            "--hf-batch1-prompts", "2", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "offline.json"]
+    assert offline.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "strata / run" in table and "hf-batch1" in table and "hf-static" in table
+
+    result = load_result(tmp_path / "offline.json")
+    assert result.kind == "offline"
+    runs = {run.label: run.metrics for run in result.runs}
+    assert set(runs) == {"strata", "hf-batch1", "hf-static"}
+    # Every request runs to its own length, so the engine and the static batch count the same tokens.
+    assert runs["strata"]["total_output_tokens"] == runs["hf-static"]["total_output_tokens"]
+    assert runs["strata"]["completed"] == 4 and runs["hf-batch1"]["completed"] == 2
+    assert all(m["output_throughput"] > 0 for m in runs.values())
+    assert json.loads((tmp_path / "offline.json").read_text())["schema"] == "strata.bench/1"
+
+    assert compare.main([str(tmp_path / "offline.json"), str(tmp_path / "offline.json")]) == 0
+    assert "output_throughput" in capsys.readouterr().out
