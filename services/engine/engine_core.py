@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from services.common.errors import InvalidRequestError
 from services.engine.config import EngineConfig
+from services.engine.cpu_allocator import keep_freed_memory
 from services.engine.kv_events import KvEventSink, NullKvEventSink
 from services.engine.model_runner import ModelRunner
 from services.engine.request import Request
@@ -22,6 +23,8 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, event_sink: KvEventSink | None = None) -> None:
         self.config = config
+        if config.device == "cpu":
+            keep_freed_memory()
         self.model_runner = ModelRunner(config)
         self.max_model_len = self.model_runner.max_model_len
         self.vocab_size = self.model_runner.vocab_size

@@ -9,7 +9,8 @@ Three paths, chosen per request:
   than CSR @ dense here). Rows are ragged, so no work is spent on padding except a small padded
   buffer for the softmax.
 - **Gathered decode** (one new token, 16-bit dtypes, which the sparse kernels lack): the contexts are
-  gathered from the pool with one ``index_select``, padded to the longest, and attended with
+  gathered from the pool whole blocks at a time with one ``index_select`` (contiguous copies of
+  ``block_size`` tokens, about twice as fast as token rows), padded to the longest, and attended with
   ``scaled_dot_product_attention`` under a length mask.
 - **Prefill** (more than one new token), one ``scaled_dot_product_attention`` per request, so no work
   is spent on padding: a request without a cached prefix attends its own new K/V with
@@ -47,8 +48,8 @@ class GatheredDecodeIndex:
     """Gather indices for decode rows attended densely. Padding reads stale but finite pool entries
     (the pools start zeroed) and is masked out."""
 
-    kv_slots: torch.Tensor  # [num_reqs, max_seq_len]: slot of each context position
-    mask: torch.Tensor  # [num_reqs, 1, 1, max_seq_len] bool: the position is in the context
+    block_ids: torch.Tensor  # [num_reqs, max_blocks]: each request's blocks, padded with block 0
+    mask: torch.Tensor  # [num_reqs, 1, 1, max_blocks * block_size] bool: the position is in the context
 
 
 @dataclass
@@ -95,7 +96,7 @@ class TorchAttentionBackend(AttentionBackend):
         if metadata.sparse_decode is not None:
             outputs.append(self._decode(decode_q, k_cache, v_cache, metadata.sparse_decode))
         if metadata.gathered_decode is not None:
-            outputs.append(self._gathered_decode(decode_q, k_slots, v_slots, metadata.gathered_decode))
+            outputs.append(self._gathered_decode(decode_q, k_cache, v_cache, metadata.gathered_decode))
         outputs.extend(self._prefill(q, k, v, k_slots, v_slots, chunk) for chunk in metadata.prefills)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -118,12 +119,13 @@ class TorchAttentionBackend(AttentionBackend):
                               per_sample_weights=probs)  # [reqs * heads, D]
         return out.view(q.shape)  # [reqs, heads, D]
 
-    def _gathered_decode(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+    def _gathered_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          index: GatheredDecodeIndex) -> torch.Tensor:
-        num_reqs, max_seq_len = index.kv_slots.shape
-        # k_ctx, v_ctx: [R, S, kv_heads, D]
-        k_ctx = k_slots.index_select(0, index.kv_slots.view(-1)).view(num_reqs, max_seq_len, self.num_kv_heads, -1)
-        v_ctx = v_slots.index_select(0, index.kv_slots.view(-1)).view(num_reqs, max_seq_len, self.num_kv_heads, -1)
+        num_reqs = index.block_ids.shape[0]
+        blocks = index.block_ids.view(-1)
+        # k_ctx, v_ctx: [R, max_blocks * block_size, kv_heads, D]
+        k_ctx = k_cache.index_select(0, blocks).view(num_reqs, -1, self.num_kv_heads, self.head_dim)
+        v_ctx = v_cache.index_select(0, blocks).view(num_reqs, -1, self.num_kv_heads, self.head_dim)
         out = self._attend(q.unsqueeze(1), k_ctx, v_ctx, attn_mask=index.mask)  # [R, 1, heads, D]
         return out.squeeze(1)  # [R, heads, D]
 
@@ -165,10 +167,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _gathered_decode_index(self, m: AttentionMetadata, num_decodes: int) -> GatheredDecodeIndex:
         seq_lens = m.seq_lens[:num_decodes]  # [R]
-        kv_pos = torch.arange(int(seq_lens.max()), device=m.slot_mapping.device)  # [S]
-        kv_slots = m.block_tables[:num_decodes, kv_pos // m.block_size] * m.block_size + kv_pos % m.block_size
+        num_blocks = -(-int(seq_lens.max()) // m.block_size)
+        kv_pos = torch.arange(num_blocks * m.block_size, device=m.slot_mapping.device)  # [S]
         mask = kv_pos < seq_lens.unsqueeze(1)  # [R, S]
-        return GatheredDecodeIndex(kv_slots, mask.view(num_decodes, 1, 1, -1))
+        return GatheredDecodeIndex(m.block_tables[:num_decodes, :num_blocks].contiguous(),
+                                   mask.view(num_decodes, 1, 1, -1))
 
     def _prefill_chunks(self, m: AttentionMetadata) -> list[PrefillChunk]:
         device = m.slot_mapping.device
