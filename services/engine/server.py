@@ -11,6 +11,8 @@ import signal
 import threading
 import uuid
 
+import uvloop
+
 from services.common.errors import ServiceUnavailableError
 from services.common.grpc_server import GrpcServer
 from services.common.pb import engine_pb2, engine_pb2_grpc
@@ -78,7 +80,7 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     metrics = EngineMetrics(served_model_name)
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
-    loop = asyncio.new_event_loop()
+    loop = uvloop.new_event_loop()
     servicer = EngineServicer(config, served_model_name)
     stop_requested = asyncio.Event()
     engine_ready = asyncio.Event()

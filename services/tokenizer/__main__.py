@@ -1,8 +1,9 @@
 """`python -m services.tokenizer [--model DIR] [--host H] [--port P]` (also `strata tokenizer`)."""
 
 import argparse
-import asyncio
 import logging
+
+import uvloop
 
 from services.common.default_model import ensure_default_model
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())
-    asyncio.run(serve(tokenizer, args.host, args.port))
+    uvloop.run(serve(tokenizer, args.host, args.port))  # grpc.aio on uvloop: less CPU per streamed token
     return 0
 
 
