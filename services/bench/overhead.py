@@ -17,8 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from services.bench.checkpoints import SHAPES, write_random_llama
 
 
@@ -62,17 +60,16 @@ def run_in_process(config, prompts, output_lens) -> tuple[int, float]:
 
 
 async def _stream_all(base_url: str, model: str, prompts, output_lens, concurrency: int) -> tuple[int, float, int]:
-    from services.bench.client import RequestSettings
+    from services.bench.client import RequestSettings, open_session
     from services.bench.datasets import BenchRequest
     from services.bench.runner import RunPlan, send_all
 
     settings = RequestSettings(url=base_url + "/v1/completions", model=model, chat=False, ignore_eos=True,
                                temperature=0.0)
     requests = [BenchRequest(prompt_len=len(p), output_len=n, prompt=p) for p, n in zip(prompts, output_lens)]
-    async with httpx.AsyncClient(timeout=600, trust_env=False,
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        await send_all(client, settings, requests[:2], RunPlan(max_concurrency=2))  # warm-up
-        outputs, seconds = await send_all(client, settings, requests, RunPlan(max_concurrency=concurrency))
+    async with open_session(600) as session:
+        await send_all(session, settings, requests[:2], RunPlan(max_concurrency=2))  # warm-up
+        outputs, seconds = await send_all(session, settings, requests, RunPlan(max_concurrency=concurrency))
     failed = sum(not o.success for o in outputs)
     return sum(o.output_tokens for o in outputs if o.success), seconds, failed
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import numpy as np
 
 from services.bench import server_metrics
@@ -64,7 +64,7 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float,
     return np.concatenate(([0.0], np.cumsum(gaps[:-1]))) if num_requests else np.zeros(0)
 
 
-async def send_all(client: httpx.AsyncClient, settings: RequestSettings, requests: list[BenchRequest],
+async def send_all(session: aiohttp.ClientSession, settings: RequestSettings, requests: list[BenchRequest],
                    plan: RunPlan, on_done: Callable[[], None] | None = None) -> tuple[list[RequestOutput], float]:
     """Send `requests` as `plan` says; returns one output per request and the run's duration (s)."""
     offsets = arrival_offsets(len(requests), plan.request_rate, plan.burstiness,
@@ -75,10 +75,10 @@ async def send_all(client: httpx.AsyncClient, settings: RequestSettings, request
     async def one(index: int, request: BenchRequest) -> None:
         try:
             if semaphore is None:
-                outputs[index] = await send_request(client, settings, request)
+                outputs[index] = await send_request(session, settings, request)
             else:
                 async with semaphore:
-                    outputs[index] = await send_request(client, settings, request)
+                    outputs[index] = await send_request(session, settings, request)
         except Exception as exc:  # a malformed response must fail this request, not the run
             outputs[index] = RequestOutput(error=short_reason(f"client error: {type(exc).__name__}: {exc}"))
         if on_done is not None:
@@ -119,19 +119,19 @@ def error_counts(outputs: list[RequestOutput]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-async def run_point(client: httpx.AsyncClient, settings: RequestSettings, requests: list[BenchRequest],
+async def run_point(session: aiohttp.ClientSession, settings: RequestSettings, requests: list[BenchRequest],
                     warmups: list[BenchRequest], plan: RunPlan, metrics_url: str | None,
                     percentiles: list[float], goodput_slos_ms: dict[str, float],
                     on_done: Callable[[], None] | None = None) -> RunResult:
     """Warm up (not counted), scrape `/metrics`, run, scrape again, summarise."""
     if warmups:
-        await send_all(client, settings, warmups, RunPlan(max_concurrency=plan.max_concurrency, seed=plan.seed))
+        await send_all(session, settings, warmups, RunPlan(max_concurrency=plan.max_concurrency, seed=plan.seed))
         await asyncio.sleep(METRICS_SETTLE_S)  # so the warmups' counts land before the first scrape
-    before = await server_metrics.scrape(client, metrics_url) if metrics_url else None
-    outputs, duration = await send_all(client, settings, requests, plan, on_done)
+    before = await server_metrics.scrape(session, metrics_url) if metrics_url else None
+    outputs, duration = await send_all(session, settings, requests, plan, on_done)
     if before is not None:
         await asyncio.sleep(METRICS_SETTLE_S)
-    after = await server_metrics.scrape(client, metrics_url) if before is not None else None
+    after = await server_metrics.scrape(session, metrics_url) if before is not None else None
     params = {"request_rate": plan.request_rate if math.isfinite(plan.request_rate) else "inf",
               "burstiness": plan.burstiness, "max_concurrency": plan.max_concurrency,
               "num_prompts": len(requests)}

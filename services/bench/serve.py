@@ -15,10 +15,10 @@ import os
 import sys
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from services.bench import report, server_metrics
-from services.bench.client import RequestSettings
+from services.bench.client import RequestSettings, open_session
 from services.bench.datasets import DATASETS, DatasetSpec, sample_requests
 from services.bench.progress import make_progress
 from services.bench.results import BenchResult, RunResult, save_result
@@ -96,10 +96,10 @@ def dataset_spec(args: argparse.Namespace, chat: bool) -> DatasetSpec:
                        custom_output_len=args.custom_output_len)
 
 
-async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
-    response = await client.get(f"{base_url}/v1/models", timeout=10.0)
-    response.raise_for_status()
-    models = response.json().get("data") or []
+async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    async with session.get(f"{base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=10.0)) as response:
+        response.raise_for_status()
+        models = (await response.json()).get("data") or []
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return models[0]["id"]
@@ -119,10 +119,8 @@ async def run(args: argparse.Namespace) -> BenchResult:
                      max_duration=args.max_duration, seed=args.seed + i)
              for i, (rate, conc) in enumerate(itertools.product(args.request_rate, args.max_concurrency))]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.request_timeout, connect=10.0)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout, trust_env=False) as client:
-        model = args.model or await first_model(client, base_url)
+    async with open_session(args.request_timeout, headers) as session:
+        model = args.model or await first_model(session, base_url)
         settings = RequestSettings(url=base_url + args.endpoint, model=model, chat=chat, ignore_eos=args.ignore_eos,
                                    temperature=args.temperature, continuous_usage_stats=args.continuous_usage_stats,
                                    extra_body=args.extra_body)
@@ -131,7 +129,7 @@ async def run(args: argparse.Namespace) -> BenchResult:
             sampled = sample_requests(spec, args.num_prompts + args.num_warmups, plan.seed)
             requests, warmups = sampled[:args.num_prompts], sampled[args.num_prompts:]
             progress = make_progress(len(requests), plan.label, disabled=args.disable_tqdm)
-            result = await run_point(client, settings, requests, warmups, plan,
+            result = await run_point(session, settings, requests, warmups, plan,
                                      server_metrics.metrics_url(base_url), args.metric_percentiles, slos,
                                      on_done=progress.update)
             progress.close()
@@ -169,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = asyncio.run(run(args))
-    except (ValueError, httpx.HTTPError) as exc:
+    except (ValueError, aiohttp.ClientError) as exc:
         print(f"strata bench serve: {exc}", file=sys.stderr)
         return 2
     if args.save_result:

@@ -6,10 +6,11 @@ A target without `/metrics` (404, refused, not Prometheus text) is skipped quiet
 any other traffic the server took during the run.
 """
 
+import asyncio
 import math
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPE_TIMEOUT_S = 5.0
@@ -53,14 +54,14 @@ def parse_metrics(text: str) -> Snapshot:
     return snapshot
 
 
-async def scrape(client: httpx.AsyncClient, url: str) -> Snapshot | None:
+async def scrape(session: aiohttp.ClientSession, url: str) -> Snapshot | None:
     """One scrape, or None when the target has no usable `/metrics`."""
     try:
-        response = await client.get(url, timeout=SCRAPE_TIMEOUT_S)
-        if response.status_code != 200:
-            return None
-        return parse_metrics(response.text) or None
-    except (httpx.HTTPError, ValueError):
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
+            if response.status != 200:
+                return None
+            return parse_metrics(await response.text()) or None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
 
 

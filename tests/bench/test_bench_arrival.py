@@ -2,11 +2,10 @@ import asyncio
 import math
 import time
 
-import httpx
 import numpy as np
 import pytest
 
-from services.bench.client import RequestSettings
+from services.bench.client import RequestSettings, open_session
 from services.bench.datasets import DatasetSpec, sample_requests
 from services.bench.runner import RunPlan, arrival_offsets, error_counts, send_all
 
@@ -36,8 +35,8 @@ def run(base_url, plan, num_requests, output_len=4):
     settings = RequestSettings(url=f"{base_url}/v1/completions", model="m", chat=False)
 
     async def go():
-        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
-            return await send_all(client, settings, requests, plan)
+        async with open_session(30) as session:
+            return await send_all(session, settings, requests, plan)
 
     started = time.perf_counter()
     outputs, duration = asyncio.run(go())

@@ -1,8 +1,8 @@
 import asyncio
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.bench.client import open_session
 from services.bench.server_metrics import diff, metrics_url, parse_metrics, scrape
 
 
@@ -65,8 +65,8 @@ def test_scrape_without_metrics_endpoint_is_none(start_server):
     base_url, _ = start_server()
 
     async def go():
-        async with httpx.AsyncClient(trust_env=False) as client:
-            return (await scrape(client, metrics_url(base_url)),
-                    await scrape(client, "http://127.0.0.1:9/metrics"))  # nothing listens on port 9
+        async with open_session(30) as session:
+            return (await scrape(session, metrics_url(base_url)),
+                    await scrape(session, "http://127.0.0.1:9/metrics"))  # nothing listens on port 9
 
     assert asyncio.run(go()) == (None, None)
