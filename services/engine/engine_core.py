@@ -4,7 +4,6 @@ It is driven by one thread at a time (the engine loop thread of `AsyncEngine`, o
 `validate()` is pure and safe from any thread, so callers learn about a bad request at once.
 """
 
-import logging
 from collections.abc import Sequence
 
 from services.common.errors import InvalidRequestError
@@ -16,8 +15,6 @@ from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerStats
 from services.engine.scheduler_output import RequestOutput
-
-logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -90,8 +87,7 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        stats = self.scheduler.stats()
-        return stats.num_running + stats.num_waiting > 0
+        return self.scheduler.has_unfinished_requests
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -5,7 +5,6 @@ import itertools
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
