@@ -151,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                       metrics=run_hf_static(model, prompts, output_lens)))
                 _print_progress(runs[-1])
     print(format_table(runs))
-    result = BenchResult("offline", config={**vars(args), "workload": {
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len}}, runs=runs)
+    result = BenchResult("offline", config=vars(args), runs=runs)
     if args.save_result:
         name = args.result_filename or f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"
         print(f"result: {save_result(result, Path(args.result_dir) / name)}")

@@ -116,9 +116,6 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(_Abort(request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
-
     # --- engine thread ---
 
     def _run(self) -> None:

@@ -44,16 +44,11 @@ class EngineCore:
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for a request that can never succeed; thread-safe."""
         num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
+        self.scheduler.check_prompt_fits(num_prompt)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is out of range: the vocabulary has {self.vocab_size} ids")
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"request has {num_prompt} input tokens. Please reduce the length of the input messages.")
         if num_prompt + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "

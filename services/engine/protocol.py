@@ -37,21 +37,6 @@ def sampling_params_from_proto(request: engine_pb2.GenerateRequest) -> SamplingP
     )
 
 
-def sampling_params_to_proto(params: SamplingParams) -> tuple[engine_pb2.SamplingParams, engine_pb2.StopCriteria]:
-    sampling = engine_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
-    )
-    if params.seed is not None:
-        sampling.seed = params.seed
-    if params.logprobs is not None:
-        sampling.logprobs = params.logprobs
-    stop = engine_pb2.StopCriteria(max_tokens=params.max_tokens, min_tokens=params.min_tokens,
-                                   stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
-    return sampling, stop
-
-
 def _logprobs_to_proto(logprobs: SampledLogprobs) -> engine_pb2.SampledLogprobs:
     return engine_pb2.SampledLogprobs(
         sampled=engine_pb2.TokenLogprob(token_id=logprobs.token_id, logprob=logprobs.logprob),

@@ -76,7 +76,16 @@ class Scheduler:
         """Queue a request. Raises InvalidRequestError for one that can never run: an empty
         prompt, a prompt of at least max_model_len tokens, a prompt the whole KV pool cannot
         hold with one more token, or a request id already in use."""
-        num_prompt = request.num_prompt_tokens
+        self.check_prompt_fits(request.num_prompt_tokens)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_prompt_fits(self, num_prompt: int) -> None:
+        """Raises InvalidRequestError for a prompt this scheduler can never run. Reads only settings
+        fixed at construction, so any thread may call it."""
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty; send at least one token")
         if num_prompt >= self.max_model_len:
@@ -87,11 +96,6 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt} tokens but this replica's KV cache holds only "
                 f"{self._kv_capacity_tokens}; shorten the prompt to at most {self._kv_capacity_tokens - 1} tokens")
-        if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a waiting, running or preempted request now and free its blocks. Returns its final
