@@ -82,7 +82,8 @@ def test_sharded_load_fuses_projections(tmp_path):
                                                                 for p in "qkv"]), rtol=0, atol=0)
     torch.testing.assert_close(attn.qkv_proj.bias, torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.bias"]
                                                               for p in "qkv"]), rtol=0, atol=0)
-    assert model.lm_head is None  # tied: logits use the embedding
+    # tied: the logits projection is the embedding itself (packed for the CPU, not copied from lm_head)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_dtypes(tmp_path):

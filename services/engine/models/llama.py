@@ -11,6 +11,7 @@ from torch.nn.utils import skip_init
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.models.config import ModelConfig
 from services.engine.models.layers import GatedMLP, RMSNorm, empty_linear
+from services.engine.models.packed_linear import PackedLinear, pack_linears
 from services.engine.models.rope import RotaryEmbedding, apply_rotary_
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool): [num_blocks, block_size, kv_heads, head_dim]
@@ -98,8 +99,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()  # [n, vocab]
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()  # [n, vocab]
+        return self.lm_head(hidden).float()
+
+    def pack_linears(self) -> None:
+        """After loading, on the CPU: every projection, the logits one included (tied or not), runs on
+        prepacked weights (see ``packed_linear``)."""
+        pack_linears(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
 
     def checkpoint_sources(self) -> dict[str, list[str]]:
         """For each parameter, the checkpoint tensors concatenated (along dim 0) to fill it."""

@@ -9,13 +9,14 @@ from safetensors import safe_open
 from services.engine.attention.base import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.packed_linear import can_pack
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, attention: AttentionBackend, max_positions: int,
                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """One implementation serves the three supported architectures. Checkpoint tensors that the model
     has no parameter for (``rotary_emb.inv_freq``, a tied ``lm_head.weight``) are ignored; a missing one
-    raises ``ValueError`` naming it."""
+    raises ``ValueError`` naming it. On the CPU the projections are then prepacked for oneDNN."""
     model_dir = Path(model_dir)
     tensor_files = _tensor_files(model_dir)
     model = LlamaForCausalLM(config, attention, max_positions, dtype, device)
@@ -37,7 +38,10 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention: AttentionB
                 raise ValueError(f"checkpoint tensor {sources} has shape {tuple(tensor.shape)}, "
                                  f"the config implies {tuple(param.shape)}")
             param.copy_(tensor)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if can_pack(device, dtype):
+        model.pack_linears()
+    return model
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
