@@ -1,7 +1,8 @@
 """The whole engine (scheduler + KV cache + model runner + sampler) against HF transformers.
 
 Greedy outputs must equal HF `generate` token for token, for 16 prompts submitted together, on
-Llama (GQA, llama3 rope scaling), Qwen2 (q/k/v bias, tied embeddings) and Mistral checkpoints;
+Llama (GQA, llama3 rope scaling), Qwen2 (q/k/v bias, tied embeddings, one sliding-window layer) and
+Mistral (sliding window shorter than most prompts) checkpoints;
 and stay the same with prefix caching off, with chunked prefill at a 32-token budget, and with a
 pool so small that requests are preempted and recomputed.
 """
@@ -22,8 +23,9 @@ VOCAB = 512
 ARCHS = {
     "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "qwen2": dict(tie_word_embeddings=True),
-    "mistral": dict(num_key_value_heads=1),
+    # layer 0 attends to everything, layer 1 through a 40-token window
+    "qwen2": dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=40, max_window_layers=1),
+    "mistral": dict(num_key_value_heads=1, sliding_window=48),
 }
 
 

@@ -37,21 +37,43 @@ def test_llama_config_both_rope_forms(tmp_path, legacy_rope):
     assert config.rope.rope_type == "llama3" and config.rope.theta == 5e5
     assert config.rope.params["factor"] == 8.0
     assert config.attention_bias and config.o_proj_bias and not config.mlp_bias
-    assert config.eos_token_ids == (2,) and config.sliding_window is None
+    assert config.eos_token_ids == (2,) and config.layer_sliding_windows == (None, None)
 
 
 def test_qwen2_and_mistral_specifics(tmp_path):
     qwen = load_model_config(write_checkpoint(tmp_path / "q", "qwen2", tie_word_embeddings=True, sliding_window=32))
     assert qwen.attention_bias and not qwen.o_proj_bias and qwen.tie_word_embeddings
-    assert qwen.sliding_window is None  # use_sliding_window is false
+    assert qwen.layer_sliding_windows == (None, None)  # use_sliding_window is false
     mistral = load_model_config(write_checkpoint(tmp_path / "m", "mistral", sliding_window=64))
-    assert mistral.sliding_window == 64 and not mistral.attention_bias
-    assert mistral.resolve_max_model_len(None) == 64
+    assert mistral.layer_sliding_windows == (64, 64) and not mistral.attention_bias
+    assert mistral.resolve_max_model_len(None) == 256  # the window does not limit the context
     assert mistral.resolve_max_model_len(48) == 48
-    with pytest.raises(ValueError, match="sliding_window 64"):
-        mistral.resolve_max_model_len(128)
     with pytest.raises(ValueError, match="max_position_embeddings 256"):
         qwen.resolve_max_model_len(512)
+
+
+def test_sliding_window_layers_as_transformers_decides(tmp_path):
+    def windows(name, arch, edit=None, **overrides):
+        path = write_checkpoint(tmp_path / name, arch, num_hidden_layers=3, **overrides)
+        if edit:
+            raw = json.loads((path / "config.json").read_text())
+            edit(raw)
+            (path / "config.json").write_text(json.dumps(raw))
+        return load_model_config(path).layer_sliding_windows
+
+    # Qwen2: only with use_sliding_window, from max_window_layers on, or as layer_types names them
+    assert windows("q1", "qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1) == (None, 32, 32)
+    assert windows("q2", "qwen2", use_sliding_window=True, sliding_window=32,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]) == (32, None, 32)
+    assert windows("q3", "qwen2", use_sliding_window=False, sliding_window=32, max_window_layers=0) == (None,) * 3
+    # Mistral: every layer; null turns it off; a config without the key gets transformers' 4096
+    assert windows("m1", "mistral", sliding_window=None) == (None,) * 3
+    assert windows("m2", "mistral", edit=lambda raw: raw.pop("sliding_window")) == (4096,) * 3
+    # Llama never slides, whatever the config carries
+    assert windows("l1", "llama", edit=lambda raw: raw.update(sliding_window=16)) == (None,) * 3
+    with pytest.raises(ValueError, match="layer_types"):
+        windows("q4", "qwen2", use_sliding_window=True, sliding_window=32,
+                edit=lambda raw: raw.update(layer_types=["sliding_attention", "chunked_attention", "full_attention"]))
 
 
 @pytest.mark.parametrize("rope", [

@@ -116,10 +116,10 @@ def test_greedy_matches_hf_generate_and_logits_match_hf_forward(checkpoint):
 def test_runner_reports_model_facts(tmp_path):
     path = write_checkpoint(tmp_path, "mistral", sliding_window=64, max_position_embeddings=256)
     runner = ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=1 << 20, max_num_seqs=2))
-    assert runner.max_model_len == 64  # capped at the sliding window, which is not implemented
+    assert runner.max_model_len == 256  # the sliding window does not cap the context
     assert runner.vocab_size == 512 and runner.eos_token_ids == (2,)
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, block 16, 2 kv heads, head_dim 16, fp32
-    assert runner.num_kv_blocks == min((1 << 20) // bytes_per_block, 2 * 64 // 16)
+    assert runner.num_kv_blocks == min((1 << 20) // bytes_per_block, 2 * 256 // 16)
     assert runner.kv_caches[0][0].shape == (runner.num_kv_blocks, 16, 2, 16)
     with pytest.raises(ValueError, match="kv-cache-memory-bytes"):
         ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=4096))

@@ -55,7 +55,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, metadata: AttentionMetadata, sliding_window: int | None = None
+                ) -> torch.Tensor:
         """Store the new ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``, then
         return causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over each request's
-        whole context, as ``[num_tokens, num_heads, head_dim]``."""
+        context, as ``[num_tokens, num_heads, head_dim]``. With ``sliding_window`` W, the query at
+        position p sees only the keys at positions p - W + 1 .. p (as transformers' sliding window)."""

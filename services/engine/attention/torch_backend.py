@@ -16,7 +16,11 @@ Three paths, chosen per request:
   is spent on padding: a request without a cached prefix attends its own new K/V with
   ``is_causal``; one with a prefix gathers its context from the pool under a causal mask offset by it.
 
-All index tensors are built once per step in ``prepare``; layers only run the kernels.
+A layer with a sliding window W (Mistral, some Qwen2 layers) sees the last W positions only: its decode
+rows list just those, and its prefill masks cut what lies further back. The cache keeps every block.
+
+The index tensors are built once per step and window, by the first layer that needs them; the other
+layers only run the kernels.
 """
 
 import warnings
@@ -40,7 +44,7 @@ class SparseDecodeIndex:
     col_indices: torch.Tensor  # [nnz]: slot * num_kv_heads + kv_head, per (request, head) row
     # crow_indices[:-1] doubles as embedding_bag's offsets: one bag per (request, head) row
     padded_index: torch.Tensor  # [nnz]: position of each entry in padded_scores
-    padded_scores: torch.Tensor  # [num_rows, max_len]: -inf, except at padded_index, where each layer writes
+    padded_scores: torch.Tensor  # [num_rows, max_span]: -inf, except at padded_index, where each layer writes
 
 
 @dataclass
@@ -49,7 +53,7 @@ class GatheredDecodeIndex:
     (the pools start zeroed) and is masked out."""
 
     block_ids: torch.Tensor  # [num_reqs, max_blocks]: each request's blocks, padded with block 0
-    mask: torch.Tensor  # [num_reqs, 1, 1, max_blocks * block_size] bool: the position is in the context
+    mask: torch.Tensor  # [num_reqs, 1, 1, max_blocks * block_size] bool: the position is in the (windowed) context
 
 
 @dataclass
@@ -58,15 +62,23 @@ class PrefillChunk:
 
     start: int
     end: int
-    kv_slots: torch.Tensor | None  # [seq_len]: slot of each context position; None without a cached prefix
-    mask: torch.Tensor | None  # [end - start, seq_len] bool: causal, offset by the prefix; None without one
+    # None for plain causal attention over the chunk's own K/V (no cached prefix, no window cut); else
+    kv_slots: torch.Tensor | None  # [S]: the pool slots of the keys the chunk sees
+    mask: torch.Tensor | None  # [end - start, S] bool: causal (and windowed), offset by the prefix
+
+
+@dataclass
+class StepIndex:
+    """What one step's layers of one sliding window (None: whole contexts) attend with."""
+
+    sparse_decode: SparseDecodeIndex | None
+    gathered_decode: GatheredDecodeIndex | None
+    prefills: list[PrefillChunk]
 
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    sparse_decode: SparseDecodeIndex | None
-    gathered_decode: GatheredDecodeIndex | None
-    prefills: list[PrefillChunk]
+    indices: dict[int | None, StepIndex]  # by sliding window, built by the first layer of the step that needs it
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -75,30 +87,36 @@ class TorchAttentionBackend(AttentionBackend):
         self.use_sparse_decode = dtype == torch.float32
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
-        num_decodes = metadata.num_decodes
-        sparse = gathered = None
-        if num_decodes and self.use_sparse_decode:
-            sparse = self._sparse_decode_index(metadata, num_decodes)
-        elif num_decodes:
-            gathered = self._gathered_decode_index(metadata, num_decodes)
-        return TorchAttentionMetadata(**vars(metadata), sparse_decode=sparse, gathered_decode=gathered,
-                                      prefills=self._prefill_chunks(metadata))
+        return TorchAttentionMetadata(**vars(metadata), indices={})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, metadata: TorchAttentionMetadata, sliding_window: int | None = None
+                ) -> torch.Tensor:
         # k_slots, v_slots: [num_slots, num_kv_heads, head_dim] views of the pools
         k_slots = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_slots = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_slots.index_copy_(0, metadata.slot_mapping, k)
         v_slots.index_copy_(0, metadata.slot_mapping, v)
+        index = metadata.indices.get(sliding_window)
+        if index is None:
+            index = metadata.indices[sliding_window] = self._step_index(metadata, sliding_window)
         outputs = []
         decode_q = q[:metadata.num_decodes]
-        if metadata.sparse_decode is not None:
-            outputs.append(self._decode(decode_q, k_cache, v_cache, metadata.sparse_decode))
-        if metadata.gathered_decode is not None:
-            outputs.append(self._gathered_decode(decode_q, k_cache, v_cache, metadata.gathered_decode))
-        outputs.extend(self._prefill(q, k, v, k_slots, v_slots, chunk) for chunk in metadata.prefills)
+        if index.sparse_decode is not None:
+            outputs.append(self._decode(decode_q, k_cache, v_cache, index.sparse_decode))
+        if index.gathered_decode is not None:
+            outputs.append(self._gathered_decode(decode_q, k_cache, v_cache, index.gathered_decode))
+        outputs.extend(self._prefill(q, k, v, k_slots, v_slots, chunk) for chunk in index.prefills)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _step_index(self, metadata: AttentionMetadata, window: int | None) -> StepIndex:
+        num_decodes = metadata.num_decodes
+        sparse = gathered = None
+        if num_decodes and self.use_sparse_decode:
+            sparse = self._sparse_decode_index(metadata, num_decodes, window)
+        elif num_decodes:
+            gathered = self._gathered_decode_index(metadata, num_decodes, window)
+        return StepIndex(sparse, gathered, self._prefill_chunks(metadata, window))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 index: SparseDecodeIndex) -> torch.Tensor:
@@ -148,45 +166,56 @@ class TorchAttentionBackend(AttentionBackend):
                                              **mask)
         return out.transpose(1, 2)
 
-    def _sparse_decode_index(self, m: AttentionMetadata, num_decodes: int) -> SparseDecodeIndex:
+    def _sparse_decode_index(self, m: AttentionMetadata, num_decodes: int, window: int | None) -> SparseDecodeIndex:
         device = m.slot_mapping.device
-        seq_lens = m.seq_lens[:num_decodes]  # [B]
-        max_len = int(seq_lens.max())
-        positions = torch.arange(max_len, device=device)  # [L]
-        slots = m.block_tables[:num_decodes, positions // m.block_size] * m.block_size + positions % m.block_size
+        seq_lens = m.seq_lens[:num_decodes].unsqueeze(1)  # [B, 1]
+        first = (seq_lens - window).clamp_(min=0) if window else torch.zeros_like(seq_lens)  # [B, 1]
+        span = int((seq_lens - first).max())
+        positions = first + torch.arange(span, device=device)  # [B, L]: each row's window, padded past its end
+        valid = positions < seq_lens  # [B, L]
+        positions = torch.minimum(positions, seq_lens - 1)  # keep the padding inside the block table
+        blocks = m.block_tables[:num_decodes].gather(1, positions // m.block_size)
+        slots = blocks * m.block_size + positions % m.block_size  # [B, L]
         kv_head = torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_kv_heads)
         # cols_padded: [B, heads, L]; valid: [B, heads, L]
         cols_padded = slots.unsqueeze(1) * self.num_kv_heads + kv_head.view(1, -1, 1)
-        valid = (positions.view(1, 1, -1) < seq_lens.view(-1, 1, 1)).expand_as(cols_padded)
-        padded_index = valid.reshape(-1).nonzero().squeeze(1)
+        padded_index = valid.unsqueeze(1).expand_as(cols_padded).reshape(-1).nonzero().squeeze(1)
         col_indices = cols_padded.reshape(-1).index_select(0, padded_index)
-        row_lens = seq_lens.repeat_interleave(self.num_heads)
+        row_lens = (seq_lens - first).squeeze(1).repeat_interleave(self.num_heads)
         crow_indices = torch.cat([row_lens.new_zeros(1), row_lens.cumsum(0)])
-        padded_scores = torch.full((num_decodes * self.num_heads, max_len), float("-inf"), device=device)
+        padded_scores = torch.full((num_decodes * self.num_heads, span), float("-inf"), device=device)
         return SparseDecodeIndex(crow_indices, col_indices, padded_index, padded_scores)
 
-    def _gathered_decode_index(self, m: AttentionMetadata, num_decodes: int) -> GatheredDecodeIndex:
-        seq_lens = m.seq_lens[:num_decodes]  # [R]
+    def _gathered_decode_index(self, m: AttentionMetadata, num_decodes: int, window: int | None
+                               ) -> GatheredDecodeIndex:
+        seq_lens = m.seq_lens[:num_decodes].unsqueeze(1)  # [R, 1]
         num_blocks = -(-int(seq_lens.max()) // m.block_size)
         kv_pos = torch.arange(num_blocks * m.block_size, device=m.slot_mapping.device)  # [S]
-        mask = kv_pos < seq_lens.unsqueeze(1)  # [R, S]
+        mask = kv_pos < seq_lens  # [R, S]
+        if window:
+            mask &= kv_pos >= seq_lens - window
         return GatheredDecodeIndex(m.block_tables[:num_decodes, :num_blocks].contiguous(),
                                    mask.view(num_decodes, 1, 1, -1))
 
-    def _prefill_chunks(self, m: AttentionMetadata) -> list[PrefillChunk]:
+    def _prefill_chunks(self, m: AttentionMetadata, window: int | None) -> list[PrefillChunk]:
         device = m.slot_mapping.device
         first = m.num_decodes
         starts, context_lens = m.query_start_loc[first:].tolist(), m.context_lens[first:].tolist()
         chunks = []
         for i, context_len in enumerate(context_lens):
             start, end = starts[i], starts[i + 1]
-            if context_len == 0:
-                chunks.append(PrefillChunk(start, end, None, None))
+            num_new = end - start
+            if context_len == 0 and (window is None or num_new <= window):
+                chunks.append(PrefillChunk(start, end, None, None))  # plain causal over its own K/V
                 continue
-            kv_pos = torch.arange(context_len + end - start, device=device)  # [S]
+            # The keys any of the chunk's queries sees: from the first query's window start on.
+            kv_first = max(0, context_len - window + 1) if window else 0
+            kv_pos = torch.arange(kv_first, context_len + num_new, device=device)  # [S]
+            q_pos = context_len + torch.arange(num_new, device=device).unsqueeze(1)  # [Q, 1]
+            mask = kv_pos <= q_pos  # [Q, S]
+            if window:
+                mask &= kv_pos > q_pos - window
             table = m.block_tables[first + i]
             kv_slots = table[kv_pos // m.block_size] * m.block_size + kv_pos % m.block_size
-            q_pos = torch.arange(end - start, device=device)  # [Q]
-            mask = kv_pos <= context_len + q_pos.unsqueeze(1)  # [Q, S]
             chunks.append(PrefillChunk(start, end, kv_slots, mask))
         return chunks

@@ -37,25 +37,17 @@ class ModelConfig:
     o_proj_bias: bool  # Llama's attention_bias also covers o_proj; Qwen2's does not
     mlp_bias: bool
     tie_word_embeddings: bool
-    sliding_window: int | None  # None when every layer attends to the whole context
+    layer_sliding_windows: tuple[int | None, ...]  # per layer: the keys a query sees, itself included; None: all
     checkpoint_dtype: torch.dtype | None
     eos_token_ids: tuple[int, ...]
 
     def resolve_max_model_len(self, requested: int | None) -> int:
-        """The context length to serve. Sliding-window attention is not implemented, so the default is
-        capped at the window, and an explicit length beyond the window is rejected."""
-        limit = self.max_position_embeddings
-        if self.sliding_window is not None:
-            limit = min(limit, self.sliding_window)
+        """The context length to serve: ``max_position_embeddings`` unless a shorter one is requested."""
         if requested is None:
-            return limit
+            return self.max_position_embeddings
         if requested > self.max_position_embeddings:
             raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings "
                              f"{self.max_position_embeddings}; lower it")
-        if self.sliding_window is not None and requested > self.sliding_window:
-            raise ValueError(f"--max-model-len {requested} exceeds the model's sliding_window "
-                             f"{self.sliding_window}, and sliding-window attention is not supported; "
-                             f"use --max-model-len {self.sliding_window} or less")
         return requested
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:
@@ -102,7 +94,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         o_proj_bias=attention_bias and not is_qwen2,
         mlp_bias=is_llama and bool(hf.get("mlp_bias", False)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=_parse_sliding_window(hf, is_qwen2),
+        layer_sliding_windows=_parse_sliding_windows(hf, architecture, config_path),
         checkpoint_dtype=_CHECKPOINT_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype")),
         eos_token_ids=_parse_eos(hf, model_dir),
     )
@@ -124,11 +116,26 @@ def _parse_rope(hf: dict, config_path: Path) -> RopeConfig:
     return RopeConfig(rope_type=rope_type, theta=float(theta), params=params)
 
 
-def _parse_sliding_window(hf: dict, is_qwen2: bool) -> int | None:
-    window = hf.get("sliding_window")
-    if is_qwen2 and not hf.get("use_sliding_window", False):
-        return None
-    return int(window) if window else None
+def _parse_sliding_windows(hf: dict, architecture: str, config_path: Path) -> tuple[int | None, ...]:
+    """Which layers attend through a sliding window, as transformers decides it: every Mistral layer when
+    ``sliding_window`` is set (4096 when the key is absent); for Qwen2, only with ``use_sliding_window``,
+    the layers that ``layer_types`` names ``sliding_attention`` (by default those from
+    ``max_window_layers`` on); never for Llama."""
+    num_layers = hf["num_hidden_layers"]
+    if architecture == "MistralForCausalLM":
+        window = hf.get("sliding_window", 4096)
+        return (int(window) if window else None,) * num_layers
+    if architecture != "Qwen2ForCausalLM" or not hf.get("use_sliding_window", False) or not hf.get("sliding_window", 4096):
+        return (None,) * num_layers
+    window = int(hf.get("sliding_window", 4096))
+    first_sliding = hf.get("max_window_layers", 28)
+    layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first_sliding else "full_attention"
+                                            for i in range(num_layers)]
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if len(layer_types) != num_layers or unknown:
+        raise ValueError(f"layer_types in {config_path} must name sliding_attention or full_attention for each "
+                         f"of the {num_layers} layers")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def _parse_eos(hf: dict, model_dir: Path) -> tuple[int, ...]:

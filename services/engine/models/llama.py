@@ -20,10 +20,11 @@ _FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": 
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, layer_index: int, attention: AttentionBackend, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.sliding_window = config.layer_sliding_windows[layer_index]
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = empty_linear(config.hidden_size, qkv_size, config.attention_bias, dtype, device)
         self.o_proj = empty_linear(self.num_heads * self.head_dim, config.hidden_size, config.o_proj_bias,
@@ -37,15 +38,16 @@ class LlamaAttention(nn.Module):
         apply_rotary_(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # q: [T, heads, D], k: [T, kv_heads, D]
         v = qkv[:, self.num_heads + self.num_kv_heads:]  # [T, kv_heads, D]
-        out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata)  # [T, heads, D]
+        out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata,
+                                     self.sliding_window)  # [T, heads, D]
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, layer_index: int, attention: AttentionBackend, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attention, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_index, attention, dtype, device)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -67,8 +69,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, dtype, device)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attention, dtype, device)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

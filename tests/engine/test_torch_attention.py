@@ -1,0 +1,74 @@
+"""The torch attention backend against a naive reference: every path (sparse decode, gathered decode,
+prefill with and without a cached prefix), with and without a sliding window, on scattered blocks."""
+
+import random
+
+import pytest
+import torch
+
+from services.engine.attention import AttentionMetadata
+from services.engine.attention.torch_backend import TorchAttentionBackend
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
+NUM_BLOCKS = 64
+
+
+def reference(q, keys, values, positions, window):
+    """q: [Q, heads, D] at ``positions``; keys/values: [S, kv_heads, D] of positions 0..S-1."""
+    group = HEADS // KV_HEADS
+    k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [S, heads, D]
+    scores = torch.einsum("qhd,shd->hqs", q, k) * HEAD_DIM ** -0.5
+    kv_pos = torch.arange(keys.shape[0])
+    allowed = kv_pos <= positions.unsqueeze(1)
+    if window:
+        allowed &= kv_pos > positions.unsqueeze(1) - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("window", [None, 5, 16])
+@pytest.mark.parametrize("sparse_decode", [True, False])
+def test_every_path_matches_reference(window, sparse_decode):
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    # (tokens already cached, new tokens): decodes first, as the model runner orders them
+    requests = [(9, 1), (30, 1), (2, 1), (0, 12), (0, 3), (13, 11), (20, 1 + 6)]
+    decodes = sum(1 for _, new in requests if new == 1)
+    free_blocks = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    tables, full_k, full_v, rows = [], [], [], []
+    slot_mapping, q_all, k_new, v_new = [], [], [], []
+    for cached, new in requests:
+        total = cached + new
+        table = [free_blocks.pop() for _ in range(-(-total // BLOCK))]
+        keys, values = torch.randn(total, KV_HEADS, HEAD_DIM), torch.randn(total, KV_HEADS, HEAD_DIM)
+        for pos in range(total):
+            slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
+            if pos < cached:  # already in the pool
+                k_cache.view(-1, KV_HEADS, HEAD_DIM)[slot] = keys[pos]
+                v_cache.view(-1, KV_HEADS, HEAD_DIM)[slot] = values[pos]
+            else:
+                slot_mapping.append(slot)
+        q = torch.randn(new, HEADS, HEAD_DIM)
+        q_all.append(q), k_new.append(keys[cached:]), v_new.append(values[cached:])
+        tables.append(table), full_k.append(keys), full_v.append(values)
+        rows.append((q, torch.arange(cached, total)))
+    width = max(map(len, tables))
+    new_counts = torch.tensor([new for _, new in requests])
+    metadata = AttentionMetadata(
+        num_decodes=decodes, num_prefills=len(requests) - decodes,
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), new_counts.cumsum(0)]),
+        seq_lens=torch.tensor([c + n for c, n in requests]), context_lens=torch.tensor([c for c, _ in requests]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor(slot_mapping), max_query_len=int(new_counts.max()),
+        max_seq_len=max(c + n for c, n in requests), block_size=BLOCK)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5,
+                                    torch.float32 if sparse_decode else torch.bfloat16)  # bf16 picks the gather
+    prepared = backend.prepare(metadata)
+    out = backend.forward(torch.cat(q_all), torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, prepared, window)
+    expected = torch.cat([reference(q, k, v, pos, window) for (q, pos), k, v in zip(rows, full_k, full_v)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # the second layer of the step reuses the index the first one built
+    assert list(prepared.indices) == [window]
+    assert (prepared.indices[window].sparse_decode is not None) == sparse_decode
