@@ -7,7 +7,9 @@ lengths uniform in `--output-len` (lo,hi), random token ids, every request runs 
   hf-batch1  HF `generate` one request at a time (on the first `--hf-batch1-prompts` requests,
              as tok/s, which does not depend on how many are run);
   hf-static  HF `generate` on all requests as one left-padded static batch that runs until the
-             longest output is done; only the tokens each request asked for count.
+             longest output is done; only the tokens each request asked for count;
+  floor      not a run: this machine's floor for the workload (`services/bench/floor.py`), the
+             work no engine can skip at rates measured in this run; strata's ratio to it is < 1.
 The checkpoint is `--model DIR`, or a random-weight Llama of a shape from `SHAPES` (`--shape`),
 written to a temporary directory.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from services.bench.checkpoints import SHAPES, write_random_llama
 
-BASELINES = ("hf-batch1", "hf-static")
+BASELINES = ("hf-batch1", "hf-static", "floor")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,13 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         from services.engine.models.config import load_model_config
 
-        vocab_size = load_model_config(config.model).vocab_size
+        model_config = load_model_config(config.model)
         prompts, output_lens = make_workload(args.num_prompts, _range(args.input_len), _range(args.output_len),
-                                             vocab_size, args.workload_seed)
+                                             model_config.vocab_size, args.workload_seed)
         runs = [RunResult("strata", params={"max_num_seqs": config.max_num_seqs},
                           metrics=run_strata(config, prompts, output_lens))]
         _print_progress(runs[-1])
-        if baselines:
+        if {"hf-batch1", "hf-static"} & set(baselines):
             model = _hf_model(config.model, config.dtype)
             if "hf-batch1" in baselines:
                 k = min(args.hf_batch1_prompts, len(prompts))
@@ -150,7 +152,16 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(RunResult("hf-static", params={"batch_size": len(prompts)},
                                       metrics=run_hf_static(model, prompts, output_lens)))
                 _print_progress(runs[-1])
+        if "floor" in baselines:
+            from services.bench.floor import run_floor
+
+            runs.append(RunResult("floor", params={}, metrics=run_floor(
+                model_config, model_config.resolve_dtype(config.dtype), prompts, output_lens)))
     print(format_table(runs))
+    floor = next((run.metrics for run in runs if run.label == "floor"), None)
+    if floor:
+        print(f"floor: {floor['tflops']:.2f} TFLOP at {floor['gemm_gflops_per_s']:.0f} GFLOP/s (best GEMM here) + "
+              f"{floor['kv_read_gb']:.1f} GB of K/V reads at {floor['read_gb_per_s']:.1f} GB/s")
     result = BenchResult("offline", config=vars(args), runs=runs)
     if args.save_result:
         name = args.result_filename or f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"

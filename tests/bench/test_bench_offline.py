@@ -1,5 +1,6 @@
 """`strata bench offline` end to end on a tiny shape: it runs the engine and both HF baselines on
-the same requests, prints the table and writes a result that `strata bench compare` reads."""
+the same requests, works out this machine's floor for them, prints the table and writes a result
+that `strata bench compare` reads."""
 
 import json
 
@@ -14,11 +15,13 @@ def test_offline_bench_runs_engine_and_baselines_and_writes_a_comparable_result(
     assert offline.main(argv) == 0
     table = capsys.readouterr().out
     assert "strata / run" in table and "hf-batch1" in table and "hf-static" in table
+    assert "floor:" in table and "GB of K/V reads" in table
 
     result = load_result(tmp_path / "offline.json")
     assert result.kind == "offline"
     runs = {run.label: run.metrics for run in result.runs}
-    assert set(runs) == {"strata", "hf-batch1", "hf-static"}
+    assert set(runs) == {"strata", "hf-batch1", "hf-static", "floor"}
+    assert runs["floor"]["output_throughput"] > runs["strata"]["output_throughput"]  # a floor no engine reaches
     # Every request runs to its own length, so the engine and the static batch count the same tokens.
     assert runs["strata"]["total_output_tokens"] == runs["hf-static"]["total_output_tokens"]
     assert runs["strata"]["completed"] == 4 and runs["hf-batch1"]["completed"] == 2

@@ -1,0 +1,82 @@
+"""The hardware floor of an offline workload: less time than any engine could take on this machine.
+
+It counts the work the requests cannot avoid and charges it at rates measured here, in this run:
+
+- **FLOPs** at the best GEMM rate measured on the model's own projection shapes: every projection of
+  every token that passes through the layers (each prompt token, then each output token but the last),
+  the logits of every sampled token, and causal attention over each prompt;
+- **bytes** at the measured read bandwidth: each decode step reads its request's whole K/V context.
+
+Everything else is left out (norms, rotary, sampling, weight reads at small batch, scheduling, and
+the fact that small decode batches run GEMMs far below the best rate), so no real engine reaches the
+floor. It tells how far an engine could still go on this machine, and which targets are out of reach.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.models.config import ModelConfig
+from services.engine.models.packed_linear import PackedLinear, can_pack
+
+
+@dataclass(frozen=True)
+class WorkloadCost:
+    flops: float
+    kv_bytes: float  # K/V bytes the decode steps read
+
+
+def workload_cost(mc: ModelConfig, element_bytes: int, prompt_lens: list[int], output_lens: list[int]) -> WorkloadCost:
+    """The unavoidable work of running each prompt to its output length (greedy, one token per step)."""
+    q_size, kv_size = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    layer_params = mc.hidden_size * (q_size + 2 * kv_size) + q_size * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size
+    through_layers = sum(p + o - 1 for p, o in zip(prompt_lens, output_lens, strict=True))
+    flops = 2 * layer_params * mc.num_layers * through_layers
+    flops += 2 * mc.hidden_size * mc.vocab_size * sum(output_lens)
+    # prefill attention: scores and weighted values, 2 * q_size FLOPs each per (query, key) pair, causal
+    flops += mc.num_layers * sum(2 * 2 * q_size * p * (p + 1) // 2 for p in prompt_lens)
+    # decode: the step that feeds position c - 1 attends c positions; positions p .. p + o - 2 are fed
+    kv_bytes_per_position = mc.num_layers * 2 * kv_size * element_bytes
+    decode_positions = sum(sum(range(p + 1, p + o)) for p, o in zip(prompt_lens, output_lens, strict=True))
+    return WorkloadCost(float(flops), float(kv_bytes_per_position * decode_positions))
+
+
+def measure_gemm_flops(mc: ModelConfig, dtype: torch.dtype, rows: int = 512, repeats: int = 5) -> float:
+    """The best FLOP/s of the model's projections (gate/up and down) over ``rows`` tokens, run the way
+    the engine runs them (prepacked on the CPU)."""
+    best = 0.0
+    for in_features, out_features in ((mc.hidden_size, 2 * mc.intermediate_size), (mc.intermediate_size, mc.hidden_size)):
+        weight = torch.randn(out_features, in_features).to(dtype)
+        x = torch.randn(rows, in_features).to(dtype)
+        linear = PackedLinear(weight, None) if can_pack(x.device, dtype) else (lambda t, w=weight: F.linear(t, w))
+        linear(x)  # warm-up
+        for _ in range(repeats):
+            started = time.perf_counter()
+            linear(x)
+            best = max(best, 2 * rows * in_features * out_features / (time.perf_counter() - started))
+    return best
+
+
+def measure_read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """The best bytes/s of one pass summing a buffer far larger than the caches a core has to itself."""
+    buffer = torch.ones(num_bytes // 4)
+    buffer.sum()  # fault the pages in
+    best = 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = max(best, num_bytes / (time.perf_counter() - started))
+    return best
+
+
+def run_floor(mc: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], output_lens: list[int]) -> dict[str, float]:
+    """The floor as a run of the offline table: the workload's output tokens over the floor time."""
+    cost = workload_cost(mc, torch.empty(0, dtype=dtype).element_size(), [len(p) for p in prompts], output_lens)
+    flops_per_s, bytes_per_s = measure_gemm_flops(mc, dtype), measure_read_bandwidth()
+    seconds = cost.flops / flops_per_s + cost.kv_bytes / bytes_per_s
+    return {"duration_s": seconds, "completed": len(prompts), "total_output_tokens": sum(output_lens),
+            "output_throughput": sum(output_lens) / seconds, "tflops": cost.flops / 1e12,
+            "gemm_gflops_per_s": flops_per_s / 1e9, "kv_read_gb": cost.kv_bytes / 1e9,
+            "read_gb_per_s": bytes_per_s / 1e9}
