@@ -3,10 +3,12 @@
 Loading follows transformers' `AutoTokenizer` for tokenizers that ship a `tokenizer.json`, so ids
 and text match it: `tokenizer.json` holds the model, the added tokens and the post-processor (which
 decides what `add_special_tokens` adds, such as a Llama-style BOS); the special tokens named in
-`tokenizer_config.json` are (re)registered as special, as transformers does on load; the chat
-templates come from `chat_template.py`. Facts the engine needs come from the checkpoint too: eos ids
-from `generation_config.json` merged with the tokenizer's eos, the longest sequence from
-`config.json`'s `max_position_embeddings` (else the tokenizer's `model_max_length`).
+`tokenizer_config.json` are (re)registered as special, as transformers does on load; the parts of
+the pipeline that transformers rebuilds for `LlamaTokenizer` are rebuilt the same way
+(`transformers_loading.py`); the chat templates come from `chat_template.py`. Facts the engine
+needs come from the checkpoint too: eos ids from `generation_config.json` merged with the
+tokenizer's eos, the longest sequence from `config.json`'s `max_position_embeddings` (else the
+tokenizer's `model_max_length`).
 """
 
 import json
@@ -20,6 +22,7 @@ from tokenizers import AddedToken, Tokenizer
 from services.common.errors import InvalidRequestError
 from services.tokenizer.chat_template import DEFAULT_TEMPLATE_NAME, load_chat_templates, render_chat
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.transformers_loading import loads_as_llama_tokenizer, rebuild_as_llama_tokenizer
 
 # The named special tokens of transformers' tokenizers (`SPECIAL_TOKENS_ATTRIBUTES`).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -39,6 +42,8 @@ class CheckpointTokenizer:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     chat_templates: Mapping[str, str]
+    special_ids: frozenset[int]  # what skip_special_tokens leaves out
+    byte_fallback_ids: frozenset[int]  # the <0xNN> ids, when the decoder has ByteFallback
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "CheckpointTokenizer":
@@ -46,7 +51,10 @@ class CheckpointTokenizer:
         if not (model_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json; --model takes a Hugging Face checkpoint")
         tokenizer_config = _tokenizer_config(model_dir)
-        backend = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+        backend = Tokenizer.from_str(tokenizer_json)
+        if loads_as_llama_tokenizer(tokenizer_json, tokenizer_config, _read_json(model_dir / "config.json")):
+            rebuild_as_llama_tokenizer(backend, tokenizer_config)
         special_tokens = _register_special_tokens(backend, tokenizer_config)
         bos_token_id = _token_id(backend, special_tokens.get("bos_token"))
         eos_token_ids = _eos_token_ids(backend, special_tokens.get("eos_token"), model_dir)
@@ -59,6 +67,8 @@ class CheckpointTokenizer:
             eos_token_ids=eos_token_ids,
             max_model_len=_max_model_len(model_dir, tokenizer_config),
             chat_templates=load_chat_templates(model_dir, tokenizer_config),
+            special_ids=frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special),
+            byte_fallback_ids=_byte_fallback_ids(backend),
         )
 
     @property
@@ -91,7 +101,12 @@ class CheckpointTokenizer:
 
     def detokenizer(self, skip_special_tokens: bool, prefix_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         """An incremental decoder of one generation whose text continues after `prefix_ids`."""
-        return IncrementalDetokenizer(lambda ids: self.decode(ids, skip_special_tokens), prefix_ids)
+        return IncrementalDetokenizer(
+            lambda ids: self.decode(ids, skip_special_tokens),
+            prefix_ids,
+            byte_fallback_ids=self.byte_fallback_ids,
+            dropped_ids=self.special_ids if skip_special_tokens else frozenset(),
+        )
 
     def check_ids(self, token_ids: Sequence[int]) -> None:
         if token_ids and max(token_ids) >= self.vocab_size:
@@ -155,6 +170,14 @@ def _added_token(value: str | Mapping[str, Any]) -> AddedToken:
 
 def _token_id(backend: Tokenizer, token: str | None) -> int | None:
     return None if token is None else backend.token_to_id(token)
+
+
+def _byte_fallback_ids(backend: Tokenizer) -> frozenset[int]:
+    """The ids of the `<0xNN>` tokens if the decoder has ByteFallback (which decodes them as bytes)."""
+    if backend.decoder is None or b'"ByteFallback"' not in backend.decoder.__getstate__():
+        return frozenset()
+    ids = (backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
+    return frozenset(i for i in ids if i is not None)
 
 
 def _eos_token_ids(backend: Tokenizer, eos_token: str | None, model_dir: Path) -> tuple[int, ...]:

@@ -1,16 +1,27 @@
-"""A second tokenizer checkpoint for parity tests, unlike the built-in one in every way that matters.
+"""Tokenizer checkpoints for parity tests, each unlike the built-in one in every way that matters.
 
-Llama-3 style: a regex split before the byte-level step, a smaller vocabulary, other special tokens,
-BOS added by a TemplateProcessing post-processor, a non-special added token, an extra special token
-that only tokenizer_config.json names (so loading must add it), a chat template stored in
-`chat_template.jinja` that uses bos_token, tojson, strftime_now and raise_exception, eos ids from
-generation_config.json, and no config.json (max model len from model_max_length).
+`write_llama3_style_checkpoint`: a regex split before the byte-level step, a smaller vocabulary,
+other special tokens, BOS added by a TemplateProcessing post-processor, a non-special added token,
+an extra special token that only tokenizer_config.json names (so loading must add it), a chat
+template stored in `chat_template.jinja` that uses bos_token, tojson, strftime_now and
+raise_exception, eos ids from generation_config.json, and no config.json (max model len from
+model_max_length).
+
+`write_sentencepiece_style_checkpoint`: Llama-2 / TinyLlama style, with the tokenizer.json that they
+(and Mistral-7B v0.1/v0.2) publish: a BPE on "▁"-words with byte fallback (`<unk>`, `<s>`, `</s>` at
+ids 0, 1, 2, then the 256 `<0xNN>` tokens), the normalizer Prepend("▁") + Replace(" ", "▁") and no
+pre-tokenizer, the decoder Replace + ByteFallback + Fuse + Strip(one leading space), BOS added by a
+TemplateProcessing post-processor; a tokenizer_config.json of class LlamaTokenizerFast with
+add_bos_token / add_eos_token, `legacy: false`, AddedToken-dict special tokens and the Llama-2
+`[INST]` chat template; a config.json of model_type llama (so AutoTokenizer uses LlamaTokenizer).
+The alphabet is limited so most non-ASCII text (CJK, emoji, rarer accented letters), newlines and
+tabs are byte fallback.
 """
 
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from services.common.default_model import CORPUS_PATH
 
@@ -84,6 +95,81 @@ def write_llama3_style_checkpoint(directory: Path, *, with_chat_template: bool =
     if with_chat_template:
         (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     return directory
+
+
+UNK, BOS, EOS = "<unk>", "<s>", "</s>"
+SENTENCEPIECE_VOCAB_SIZE = 1000
+SENTENCEPIECE_ALPHABET_LIMIT = 90  # the most frequent characters; the rest of the corpus is byte fallback
+BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
+LLAMA2_CHAT_TEMPLATE = (  # as meta-llama/Llama-2-7b-chat-hf ships it
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def write_sentencepiece_style_checkpoint(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(_sentencepiece_style_bpe())
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)
+    ])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in (UNK, BOS, EOS)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, 1)]
+    )
+    tokenizer.save(str(directory / "tokenizer.json"))
+    _write_json(directory / "tokenizer_config.json", {
+        "tokenizer_class": "LlamaTokenizerFast",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": _added_token_dict(BOS),
+        "eos_token": _added_token_dict(EOS),
+        "unk_token": _added_token_dict(UNK),
+        "pad_token": None,
+        "legacy": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 10**30,  # transformers' "unset", as Llama-2 ships it: config.json decides
+        "chat_template": LLAMA2_CHAT_TEMPLATE,
+    })
+    _write_json(directory / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})
+    _write_json(directory / "config.json", {"model_type": "llama", "max_position_embeddings": MODEL_MAX_LENGTH})
+    return directory
+
+
+def _sentencepiece_style_bpe() -> models.BPE:
+    """A BPE trained on "▁"-words, then laid out as Llama-2's: specials, the 256 byte tokens, the rest.
+
+    Like Llama-2's, the vocabulary has no newline or tab: they are the byte tokens <0x0A> and <0x09>.
+    """
+    trainer_tokenizer = Tokenizer(models.BPE())
+    trainer_tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    reserved = [UNK, BOS, EOS, *BYTE_TOKENS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=SENTENCEPIECE_VOCAB_SIZE, special_tokens=reserved,
+        limit_alphabet=SENTENCEPIECE_ALPHABET_LIMIT, show_progress=False,
+    )
+    lines = CORPUS_PATH.read_text(encoding="utf-8").splitlines()
+    trainer_tokenizer.train_from_iterator([line.replace("\t", " ") for line in lines], trainer)
+    trained = json.loads(trainer_tokenizer.to_str())["model"]
+    vocab = dict(sorted(trained["vocab"].items(), key=lambda item: item[1]))
+    merges = [tuple(merge) if isinstance(merge, list) else tuple(merge.split(" ")) for merge in trained["merges"]]
+    return models.BPE(vocab=vocab, merges=merges, unk_token=UNK, fuse_unk=True, byte_fallback=True)
+
+
+def _added_token_dict(content: str) -> dict:
+    """A special token as tokenizer_config.json files of the transformers 4.3x era spell it."""
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False}
 
 
 def _write_json(path: Path, content: dict) -> None:

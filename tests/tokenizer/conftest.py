@@ -2,7 +2,7 @@ import pytest
 
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 
-from .checkpoints import write_llama3_style_checkpoint
+from .checkpoints import write_llama3_style_checkpoint, write_sentencepiece_style_checkpoint
 from .server_process import tokenizer_server
 
 
@@ -16,9 +16,18 @@ def templateless_dir(tmp_path_factory):
     return write_llama3_style_checkpoint(tmp_path_factory.mktemp("no-template"), with_chat_template=False)
 
 
-@pytest.fixture(scope="session", params=["default_model_dir", "llama3_style_dir"], ids=["default", "llama3_style"])
+@pytest.fixture(scope="session")
+def sentencepiece_style_dir(tmp_path_factory):
+    return write_sentencepiece_style_checkpoint(tmp_path_factory.mktemp("sentencepiece-style"))
+
+
+PARITY_CHECKPOINTS = {"default": "default_model_dir", "llama3_style": "llama3_style_dir",
+                      "sentencepiece_style": "sentencepiece_style_dir"}
+
+
+@pytest.fixture(scope="session", params=list(PARITY_CHECKPOINTS.values()), ids=list(PARITY_CHECKPOINTS))
 def checkpoint_dir(request):
-    """Each parity checkpoint in turn: the built-in model, then the Llama-3-style tokenizer."""
+    """Each parity checkpoint in turn: the built-in model, the Llama-3-style and the Llama-2-style tokenizer."""
     return request.getfixturevalue(request.param)
 
 

@@ -14,6 +14,9 @@ HAND_PICKED = [
     "3.14159 2.71828 1e-5 -42 +7", "12345678901234567890",
     "I'm sure they'll say it's fine, we've done it, you'd agree", "ALL CAPS SENTENCE", "MiXeD cAsE", "...",
     "!!!???", "--- *** ___", "<html><body>x</body></html>",
+    # SentencePiece-style edge cases: the "▁" prefix, whitespace runs, text that looks like a byte token.
+    "  two leading spaces", "two trailing spaces  ", "\nleading newline", "trailing newline\n", "a\n\n\nb",
+    "spaces then newline   \n  indented", " \n", "\n ", "literal <0x41> and <0xE4> byte-token text", "Ǆǅǆ ĳ ŉ ſ",
 ]
 
 _PIECES = [

@@ -12,13 +12,17 @@ HARD_TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    return CheckpointTokenizer.from_dir(default_model_dir)
+@pytest.fixture(scope="module", params=["default_model_dir", "sentencepiece_style_dir"],
+                ids=["byte_level", "byte_fallback"])
+def tokenizer(request):
+    """The built-in byte-level BPE, then the Llama-2-style BPE whose rare characters are <0xNN> tokens."""
+    return CheckpointTokenizer.from_dir(request.getfixturevalue(request.param))
 
 
 def _byte_ids(tokenizer, data: bytes) -> list[int]:
-    """The ids of the single-byte tokens spelling `data`, in GPT-2's byte -> character alphabet."""
+    """The ids of the single-byte tokens spelling `data`: <0xNN> (byte fallback), else GPT-2's alphabet."""
+    if tokenizer.backend.token_to_id("<0x00>") is not None:
+        return [tokenizer.backend.token_to_id(f"<0x{b:02X}>") for b in data]
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     byte_char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
@@ -78,21 +82,42 @@ def test_joined_deltas_equal_decode_and_never_split_a_character(tokenizer, skip_
 
 
 def test_an_unfinished_character_is_held_until_complete(tokenizer):
-    byte_ids = _byte_ids(tokenizer, "a😀".encode())
-    assert tokenizer.decode(byte_ids, False) == "a😀"
+    a, b = tokenizer.backend.token_to_id("a"), tokenizer.backend.token_to_id("b")
+    ids = [a, *_byte_ids(tokenizer, "😀".encode()), b]
+    assert tokenizer.decode(ids, False) == "a😀b"
     detokenizer = tokenizer.detokenizer(False)
-    deltas = [detokenizer.step([i]) for i in byte_ids]
-    assert deltas == ["a", "", "", "", "😀"]
-    assert detokenizer.num_emitted_ids == 5
+    deltas = [detokenizer.step([i]) for i in ids]
+    if tokenizer.byte_fallback_ids:  # a run of <0xNN> ids has its text once an id with text ends it
+        assert deltas == ["a", "", "", "", "", "😀b"]
+    else:
+        assert deltas == ["a", "", "", "", "😀", "b"]
+    assert detokenizer.num_emitted_ids == 6
 
 
 def test_invalid_bytes_are_emitted_once_final(tokenizer):
     [lead] = _byte_ids(tokenizer, b"\xe4")
     detokenizer = tokenizer.detokenizer(False)
-    # Each lead byte is followed by another lead byte, so every one but the last is a final U+FFFD.
     deltas = [detokenizer.step([lead]) for _ in range(4)]
-    assert deltas == ["", "\ufffd", "\ufffd", "\ufffd"]
-    assert detokenizer.flush() == "\ufffd"
+    if tokenizer.byte_fallback_ids:
+        # ByteFallback decodes the run as a whole (one U+FFFD per byte when it is not UTF-8), so
+        # its text is final once an id with text ends the run.
+        assert deltas == ["", "", "", ""]
+        assert detokenizer.step([tokenizer.backend.token_to_id("a")]) == "\ufffd" * 4 + "a"
+    else:
+        # Each lead byte is followed by another lead byte, so every one but the last is a final U+FFFD.
+        assert deltas == ["", "\ufffd", "\ufffd", "\ufffd"]
+        assert detokenizer.flush() == "\ufffd"
+
+
+def test_skipped_special_tokens_neither_end_nor_split_a_byte_run(sentencepiece_style_dir):
+    tokenizer = CheckpointTokenizer.from_dir(sentencepiece_style_dir)
+    first, *rest = _byte_ids(tokenizer, "中".encode())
+    ids = [first, tokenizer.eos_token_ids[0], *rest, tokenizer.backend.token_to_id("a")]
+    for skip_special_tokens, expected in ((True, ["", "", "", "", "中a"]),
+                                          (False, ["", "\ufffd</s>", "", "", "\ufffd\ufffda"])):
+        detokenizer = tokenizer.detokenizer(skip_special_tokens)
+        assert [detokenizer.step([i]) for i in ids] == expected
+        assert "".join(expected) == tokenizer.decode(ids, skip_special_tokens)
 
 
 def test_prefix_gives_context_but_no_text(tokenizer):
@@ -112,7 +137,16 @@ def test_each_step_decodes_a_window_not_the_sequence(tokenizer):
 
     ids = tokenizer.encode(" ".join(HARD_TEXTS) * 50, False)
     assert len(ids) > 1000
-    detokenizer = IncrementalDetokenizer(decode)
+    detokenizer = IncrementalDetokenizer(decode, byte_fallback_ids=tokenizer.byte_fallback_ids)
     text = "".join(detokenizer.step([i]) for i in ids) + detokenizer.flush()
     assert text == tokenizer.decode(ids, False)
-    assert max(decoded_lengths) <= 12
+    # The window also holds a run of byte-fallback ids until it ends (25 for the family emoji).
+    assert max(decoded_lengths) <= 12 + _longest_run(ids, tokenizer.byte_fallback_ids)
+
+
+def _longest_run(ids: list[int], members: frozenset[int]) -> int:
+    longest = length = 0
+    for i in ids:
+        length = length + 1 if i in members else 0
+        longest = max(longest, length)
+    return longest

@@ -1,8 +1,12 @@
-"""The service's tokenizer against transformers' AutoTokenizer, in process, on two different checkpoints."""
+"""The service's tokenizer against transformers' AutoTokenizer, in process, on three different checkpoints."""
 
 import json
 import random
+import shutil
 
+import pytest
+
+from services.common.errors import InvalidRequestError
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 
 from . import checkpoints
@@ -77,9 +81,22 @@ def test_info_facts_match_the_checkpoint(checkpoint_dir, hf, strata):
     assert strata.vocab_size == len(hf)
     assert strata.bos_token_id == hf.bos_token_id
     assert strata.eos_token_ids[0] == hf.eos_token_id
-    generation_config = json.loads((checkpoint_dir / "generation_config.json").read_text())
-    assert set(strata.eos_token_ids) == {hf.eos_token_id, *generation_config["eos_token_id"]}
+    configured = json.loads((checkpoint_dir / "generation_config.json").read_text())["eos_token_id"]
+    configured = configured if isinstance(configured, list) else [configured]  # Llama-2 has one int
+    assert set(strata.eos_token_ids) == {hf.eos_token_id, *configured}
     assert strata.has_chat_template
+
+
+def test_llama2_template_refuses_what_transformers_refuses(sentencepiece_style_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(sentencepiece_style_dir))
+    strata = CheckpointTokenizer.from_dir(sentencepiece_style_dir)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi again"}]
+    with pytest.raises(Exception, match="roles must alternate"):
+        hf.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(InvalidRequestError, match="roles must alternate"):
+        strata.encode_chat(messages, add_generation_prompt=True)
 
 
 def test_llama3_style_checkpoint_facts(llama3_style_dir):
@@ -103,3 +120,39 @@ def test_tools_reach_the_template_as_transformers_passes_them(llama3_style_dir):
     expected = hf.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
     assert '"name": "météo"' in text
     assert ids == list(expected["input_ids"])
+
+
+# Checkpoint variants: (base checkpoint fixture, file, keys to change). AutoTokenizer must load each
+# as the service does: with LlamaTokenizer's rebuilt pipeline, or with tokenizer.json as written.
+VARIANTS = {
+    "legacy": ("sentencepiece_style_dir", "tokenizer_config.json", {"legacy": True}),  # "▁" after specials too
+    "no_prefix_space": ("sentencepiece_style_dir", "tokenizer_config.json", {"add_prefix_space": False}),
+    "bos_eos_flags": (  # ignored: tokenizer.json's post-processor decides
+        "sentencepiece_style_dir", "tokenizer_config.json", {"add_bos_token": False, "add_eos_token": True}
+    ),
+    "mistral": ("sentencepiece_style_dir", "config.json", {"model_type": "mistral"}),  # tokenizer.json as is
+    "byte_level_declared_llama": (  # tokenizer.json as is: LlamaTokenizer would make it Metaspace
+        "llama3_style_dir", "tokenizer_config.json", {"tokenizer_class": "LlamaTokenizerFast"}
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_llama_tokenizer_variants_match_transformers(request, tmp_path, variant):
+    from transformers import AutoTokenizer
+
+    base, file_name, changes = VARIANTS[variant]
+    directory = shutil.copytree(request.getfixturevalue(base), tmp_path / "checkpoint")
+    path = directory / file_name
+    path.write_text(json.dumps((json.loads(path.read_text()) if path.is_file() else {}) | changes))
+    hf = AutoTokenizer.from_pretrained(str(directory))
+    strata = CheckpointTokenizer.from_dir(directory)
+    specials = _special_tokens(hf)
+    texts = parity_texts(specials, num_random=40) + [f"{specials[0]}[INST] Hi [/INST] Hello {specials[-1]} 中文 "]
+    for add_special_tokens in (True, False):
+        assert not _mismatches(texts, lambda t: strata.encode(t, add_special_tokens),
+                               lambda t: hf.encode(t, add_special_tokens=add_special_tokens))[:5]
+    id_lists = [tuple(hf.encode(text)) for text in texts]
+    for skip_special_tokens in (False, True):
+        assert not _mismatches(id_lists, lambda ids: strata.decode(list(ids), skip_special_tokens),
+                               lambda ids: hf.decode(list(ids), skip_special_tokens=skip_special_tokens))[:5]
