@@ -260,7 +260,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--engine-args", default="",
                         help="more engine flags, one quoted string (a single flag: --engine-args=--flag)")
-    parser.add_argument("--gateway-args", default="", help="more gateway flags, one quoted string")
+    gateway = parser.add_argument_group("gateway")
+    gateway.add_argument("--enable-auto-tool-choice", action="store_true",
+                         help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
+    gateway.add_argument("--tool-call-parser", help="the model's tool-call format, e.g. hermes")
+    gateway.add_argument("--gateway-args", default="", help="more gateway flags, one quoted string")
     parser.add_argument("--log-dir", type=Path, help="write each service's log to DIR/<service>.log "
                         "instead of prefixing it to this terminal")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
@@ -281,6 +285,13 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags + shlex.split(args.engine_args)
 
 
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    if args.tool_call_parser is not None:
+        flags += ["--tool-call-parser", args.tool_call_parser]
+    return flags + shlex.split(args.gateway_args)
+
+
 def curl_example(stack: Stack, api_key: str | None) -> str:
     body = json.dumps({"model": stack.model_name, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Hello!"}]})
@@ -293,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = StackConfig(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, api_key=args.api_key,
-                         engine_args=engine_flags(args), gateway_args=shlex.split(args.gateway_args),
+                         engine_args=engine_flags(args), gateway_args=gateway_flags(args),
                          log_dir=args.log_dir, echo_logs=args.log_dir is None,
                          startup_timeout_s=args.startup_timeout, grace_s=args.grace)
     _stop_on_signals()

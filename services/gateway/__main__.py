@@ -8,6 +8,7 @@ import os
 import uvicorn
 
 from services.gateway.app import GatewayConfig, create_app
+from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.validation import Limits
 
 
@@ -29,8 +30,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--request-timeout", type=float, default=3600.0,
                         help="deadline of one generation, seconds")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the model's tool-call format (hermes: Hermes 2 Pro, Qwen2.5, Qwen3)")
     parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             served_model_name=args.served_model_name, api_key=args.api_key,
             limits=Limits(max_n=args.max_n, max_stop_strings=args.max_stop_strings,
                           max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes),
-            request_timeout_s=args.request_timeout)
+            request_timeout_s=args.request_timeout,
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     except ValueError as error:
         raise SystemExit(f"strata gateway: {error}")
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,

@@ -12,6 +12,7 @@ from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ErrorCountMiddleware,
                                          RequestIdMiddleware)
 from services.gateway.serving import GatewayState, gateway_state
+from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.upstream import Upstream
 from services.gateway.validation import Limits
 
@@ -25,8 +26,11 @@ class GatewayConfig:
     limits: Limits = Limits()
     rpc_timeout_s: float = 30.0
     request_timeout_s: float = 3600.0
+    tool_call_parser: str | None = None  # with auto tool choice on (--enable-auto-tool-choice); else None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
         limits = self.limits
         for name in ("max_n", "max_stop_strings", "max_prompts", "max_body_bytes"):
             if getattr(limits, name) < 1:
@@ -43,7 +47,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         upstream = Upstream(config.tokenizer_addr, config.engine_addr, config.served_model_name,
                             rpc_timeout_s=config.rpc_timeout_s,
                             generate_timeout_s=config.request_timeout_s)
-        app.state.gateway = GatewayState(upstream, metrics, config.limits)
+        app.state.gateway = GatewayState(upstream, metrics, config.limits, config.tool_call_parser)
         try:
             yield
         finally:

@@ -1,14 +1,17 @@
 """``POST /v1/chat/completions``: messages -> the tokenizer's chat template -> choices, in the
 chat shapes (first streamed delta of each choice carries ``role: assistant``)."""
 
+import json
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.common.pb import tokenizer_pb2
 from services.gateway import logprobs as lp
 from services.gateway.generation import Step
-from services.gateway.protocol import ChatCompletionRequest, ContentPart
+from services.gateway.protocol import ChatCompletionRequest, ChatMessage, ContentPart
 from services.gateway.serving import ChoiceResult, RequestContext, gateway_state, serve
+from services.gateway.tools import ToolCallStream, parse_tool_calls, validate_tools
 from services.gateway.upstream import Upstream
 from services.gateway.validation import validate_chat
 
@@ -19,9 +22,11 @@ class ChatRenderer:
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
 
-    def __init__(self, upstream: Upstream, with_logprobs: bool) -> None:
+    def __init__(self, upstream: Upstream, with_logprobs: bool, parses_tool_calls: bool = False) -> None:
         self._upstream = upstream
         self._with_logprobs = with_logprobs
+        self._parses_tool_calls = parses_tool_calls
+        self._tool_streams: dict[int, ToolCallStream] = {}  # by choice index
 
     async def _logprobs(self, entries: list) -> dict | None:
         if not self._with_logprobs:
@@ -35,20 +40,40 @@ class ChatRenderer:
 
     async def stream_choice(self, step: Step) -> dict | None:
         has_logprobs = self._with_logprobs and bool(step.logprobs)
-        if not step.text and step.finish_reason is None and not has_logprobs:
+        text, tool_calls, finish_reason = step.text, [], step.finish_reason
+        if self._parses_tool_calls:
+            stream = self._tool_streams.setdefault(step.index, ToolCallStream())
+            text, tool_calls = stream.feed(step.text)
+            if finish_reason is not None:
+                text += stream.finish()
+                finish_reason = _with_tool_calls(finish_reason, stream.num_calls)
+        if not text and not tool_calls and finish_reason is None and not has_logprobs:
             return None
-        delta = {"content": step.text} if step.text or has_logprobs else {}
+        delta = {"content": text} if text or has_logprobs else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": step.index, "delta": delta,
                   "logprobs": await self._logprobs(step.logprobs) if has_logprobs else None,
-                  "finish_reason": step.finish_reason}
-        if step.finish_reason is not None:
+                  "finish_reason": finish_reason}
+        if finish_reason is not None:
             choice["stop_reason"] = step.stop_reason
         return choice
 
     async def full_choice(self, result: ChoiceResult) -> dict:
-        return {"index": result.index, "message": {"role": "assistant", "content": result.text},
-                "logprobs": await self._logprobs(result.logprobs),
-                "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+        message = {"role": "assistant", "content": result.text}
+        finish_reason = result.finish_reason
+        if self._parses_tool_calls:
+            content, calls = parse_tool_calls(result.text)
+            message = {"role": "assistant", "content": content,
+                       "tool_calls": [{k: v for k, v in call.items() if k != "index"} for call in calls]}
+            finish_reason = _with_tool_calls(finish_reason, len(calls))
+        return {"index": result.index, "message": message, "logprobs": await self._logprobs(result.logprobs),
+                "finish_reason": finish_reason, "stop_reason": result.stop_reason}
+
+
+def _with_tool_calls(finish_reason: str | None, num_calls: int) -> str | None:
+    """A turn that ends by itself after calling tools finishes with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
 def _flatten(content: str | list[ContentPart] | None) -> str:
@@ -59,15 +84,24 @@ def _flatten(content: str | list[ContentPart] | None) -> str:
     return "\n".join(part.text or "" for part in content)
 
 
+def _message_proto(message: ChatMessage) -> tokenizer_pb2.ChatMessage:
+    return tokenizer_pb2.ChatMessage(
+        role=message.role, content=_flatten(message.content), name=message.name,
+        tool_call_id=message.tool_call_id,
+        tool_calls_json=json.dumps(message.tool_calls) if message.tool_calls else "")
+
+
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
     facts = await state.upstream.facts()
     ctx = RequestContext.new("chatcmpl", facts.name)
     params = validate_chat(body, facts, state.limits)
-    messages = [tokenizer_pb2.ChatMessage(role=m.role, content=_flatten(m.content), name=m.name)
-                for m in body.messages]
+    tool_use = validate_tools(body, state.tool_call_parser)
+    messages = [_message_proto(m) for m in body.messages]
+    # the request's tools reach the template as transformers passes them; chat_template_kwargs win
+    template_kwargs = {**({"tools": tool_use.tools} if tool_use.tools else {}), **(body.chat_template_kwargs or {})}
     prompt = await state.upstream.encode_chat(messages, body.add_generation_prompt,
-                                              body.chat_template, body.chat_template_kwargs)
-    renderer = ChatRenderer(state.upstream, params.num_logprobs is not None)
+                                              body.chat_template, template_kwargs)
+    renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parses_calls)
     return await serve(request, state.upstream, state.metrics, facts, ctx, params, [prompt], renderer)

@@ -29,6 +29,8 @@ class ChatMessage(_Body):
     role: str
     content: StrictStr | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class SamplingFields(_Body):
@@ -47,6 +49,7 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -64,6 +67,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     chat_template: str | None = None

@@ -30,6 +30,7 @@ class GatewayState:
     upstream: Upstream
     metrics: GatewayMetrics
     limits: Limits
+    tool_call_parser: str | None = None  # set when auto tool choice is on
 
 
 def gateway_state(request: Request) -> GatewayState:

@@ -103,6 +103,10 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
 
     _check(1 <= req.n <= limits.max_n, f"n must be between 1 and {limits.max_n}, got {req.n}.", "n")
     params.n = req.n
+    if req.response_format is not None:  # structured output would be silently unenforced: refuse it
+        kind = req.response_format.get("type")
+        _check(kind == "text", f"response_format of type {kind!r} is not supported: structured output needs "
+                               "guided decoding, which this server does not have.", "response_format")
     _check(req.stream or req.stream_options is None,
            "Stream options can only be defined when `stream=True`.", "stream_options")
     params.stream = req.stream

@@ -69,7 +69,31 @@ def _message_dict(message: tokenizer_pb2.ChatMessage) -> dict[str, Any]:
     result = {"role": message.role, "content": message.content}
     if message.HasField("name"):
         result["name"] = message.name
+    if message.HasField("tool_call_id"):
+        result["tool_call_id"] = message.tool_call_id
+    if message.tool_calls_json:
+        result["tool_calls"] = _tool_calls(message.tool_calls_json)
     return result
+
+
+def _tool_calls(tool_calls_json: str) -> list[dict[str, Any]]:
+    """OpenAI sends each call's arguments as a JSON string; chat templates (Llama 3.1, Qwen2.5, Hermes)
+    expect the object, as transformers' examples pass it, so a string that holds JSON is parsed (as
+    vLLM does). Arguments that are not JSON stay the string they were."""
+    try:
+        calls = json.loads(tool_calls_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"tool_calls_json is not valid JSON: {exc}") from exc
+    if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
+        raise InvalidRequestError("tool_calls_json must be a JSON array of objects")
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass
+    return calls
 
 
 def _template_kwargs(template_kwargs_json: str) -> dict[str, Any]:

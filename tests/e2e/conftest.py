@@ -23,7 +23,8 @@ def stack(default_model_dir, tmp_path_factory):
         model=str(default_model_dir), port=find_free_port(), served_model_name=MODEL, api_key=API_KEY,
         engine_args=["--max-num-seqs", "16", "--num-kv-blocks", "512"],
         gateway_args=["--max-body-bytes", str(MAX_BODY_BYTES), "--max-n", str(MAX_N),
-                      "--max-stop-strings", "4", "--log-level", "warning"],
+                      "--max-stop-strings", "4", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                      "--log-level", "warning"],
         log_dir=log_dir, echo_logs=False, startup_timeout_s=120, grace_s=5)
     stack = Stack(config)
     try:

@@ -42,6 +42,11 @@ CASES = {
     "too many stop strings": (chat, {"stop": ["a", "b", "c", "d", "e"]}, "stop", None),
     "token id out of vocabulary": (completion, {"prompt": [1, 2, 999999]}, "prompt", None),
     "wrong type": (chat, {"extra_body": {"max_tokens": "many"}}, "max_tokens", None),
+    "structured output": (chat, {"response_format": {"type": "json_object"}}, "response_format", None),
+    "tool_choice without tools": (chat, {"tool_choice": "auto"}, "tool_choice",
+                                  "When using `tool_choice`, `tools` must be set."),
+    "forced tool call": (chat, {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+                         "tool_choice", None),
 }
 
 

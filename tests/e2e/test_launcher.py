@@ -3,7 +3,8 @@ and nothing is left running."""
 
 import pytest
 
-from services.launcher import Stack, StackConfig, StartupError, engine_flags, find_free_port, parse_args
+from services.launcher import (Stack, StackConfig, StartupError, engine_flags, find_free_port, gateway_flags,
+                               parse_args)
 
 
 def test_a_service_that_dies_at_startup_is_named_with_its_log(tmp_path):
@@ -24,3 +25,9 @@ def test_engine_flags_pass_through():
                        "--engine-args", "--block-size 32 --seed 3"])
     assert engine_flags(args) == ["--max-num-seqs", "8", "--dtype", "float32",
                                   "--no-enable-prefix-caching", "--block-size", "32", "--seed", "3"]
+
+
+def test_gateway_flags_pass_through():
+    args = parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--gateway-args", "--max-n 4"])
+    assert gateway_flags(args) == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-n", "4"]
+    assert gateway_flags(parse_args([])) == []
