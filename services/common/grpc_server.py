@@ -1,5 +1,5 @@
-"""The gRPC server every Strata service runs: errors mapped to status codes in one place, health,
-reflection, and a graceful stop on SIGTERM/SIGINT.
+"""The gRPC server every Strata service runs: errors mapped to status codes in one place, a trace
+span per call, health, reflection, and a graceful stop on SIGTERM/SIGINT.
 
 Servicers stay thin and raise domain errors; `ErrorMappingInterceptor` turns them into statuses:
 InvalidRequestError -> INVALID_ARGUMENT, ResourceExhaustedError -> RESOURCE_EXHAUSTED and
@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import telemetry
 from services.common.errors import InvalidRequestError, ResourceExhaustedError, ServiceUnavailableError
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,25 @@ def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+def rewrap_handler(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+    """The same handler with its behavior replaced by ``wrap(behavior)``, whatever its streaming kind."""
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(
+            wrap(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+        )
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+        )
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(
+            wrap(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        wrap(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+    )
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every method handler so that an exception becomes the status `status_for` picks."""
 
@@ -50,22 +70,41 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        return rewrap_handler(handler, lambda behavior: _mapped(behavior, handler_call_details.method))
+
+
+class TracingInterceptor(grpc.aio.ServerInterceptor):
+    """One SERVER span per RPC (a stream's lasting until it ends), continuing the caller's trace from
+    the call's metadata and current while the servicer runs, so a servicer can add attributes to
+    `trace.get_current_span()`. Health and reflection calls are not traced."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _mapped(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _mapped(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _mapped(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            _mapped(handler.stream_stream, method), handler.request_deserializer, handler.response_serializer
-        )
+        if handler is None or method.startswith("/grpc."):
+            return handler
+        name = method.lstrip("/")
+        service, _, rpc = name.partition("/")
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+        return rewrap_handler(handler, lambda behavior: _traced(behavior, name, attributes))
+
+
+def _traced(behavior, name: str, attributes: dict):
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request, context):
+            with telemetry.server_span(name, telemetry.grpc_metadata_carrier(context.invocation_metadata()),
+                                       attributes):
+                async for response in behavior(request, context):
+                    yield response
+
+        return stream
+
+    async def call(request, context):
+        with telemetry.server_span(name, telemetry.grpc_metadata_carrier(context.invocation_metadata()), attributes):
+            return await behavior(request, context)
+
+    return call
 
 
 def _mapped(behavior, method: str):
@@ -112,7 +151,9 @@ class GrpcServer:
     def __init__(self, service_names: Iterable[str], *, grace_s: float = 5.0, options: Iterable = ()) -> None:
         self.service_names = tuple(service_names)
         self.grace_s = grace_s
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=list(options))
+        # the error mapping is outermost, so spans see the servicer's own exceptions
+        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), TracingInterceptor()],
+                                      options=list(options))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         reflection.enable_server_reflection(

@@ -3,6 +3,7 @@
 import argparse
 import logging
 
+from services.common.telemetry import setup_tracing
 from services.engine.engine_args import add_engine_args, config_from_args
 
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    setup_tracing("strata-engine")
     from services.engine.server import run_server
 
     run_server(config, args.host, args.port, args.served_model_name or config.model,

@@ -12,6 +12,7 @@ import threading
 import uuid
 
 import uvloop
+from opentelemetry import trace
 
 from services.common.errors import ServiceUnavailableError
 from services.common.grpc_server import GrpcServer
@@ -46,7 +47,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         engine = self._ready_engine()
         params = sampling_params_from_proto(request)
         request_id = request.request_id or uuid.uuid4().hex
+        span = trace.get_current_span()  # the RPC's span (grpc_server's tracing interceptor)
+        span.set_attributes({"strata.request_id": request_id, "strata.replica_id": self.config.replica_id,
+                             "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
+        first = True
         async for output in engine.generate(request_id, list(request.prompt_token_ids), params, request.cache_salt):
+            if first:
+                span.add_event("first_token")
+                first = False
+            if output.finish_reason is not None:
+                span.set_attributes({"gen_ai.response.finish_reasons": (output.finish_reason,),
+                                     "gen_ai.usage.output_tokens": output.num_output_tokens,
+                                     "strata.cached_prompt_tokens": max(output.num_cached_tokens, 0)})
             yield output_to_proto(output, self.config.replica_id)
 
     async def Info(self, request: engine_pb2.EngineInfoRequest, context) -> engine_pb2.EngineInfoResponse:

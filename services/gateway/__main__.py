@@ -7,6 +7,7 @@ import os
 
 import uvicorn
 
+from services.common.telemetry import setup_tracing
 from services.gateway.app import GatewayConfig, create_app
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.validation import Limits
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("strata-gateway")
     try:
         config = GatewayConfig(
             tokenizer_addr=args.tokenizer_addr, engine_addr=args.engine_addr,

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from services.gateway import chat, completions, errors
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ErrorCountMiddleware,
-                                         RequestIdMiddleware)
+                                         RequestIdMiddleware, TracingMiddleware)
 from services.gateway.serving import GatewayState, gateway_state
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.upstream import Upstream
@@ -53,7 +53,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await upstream.close()
 
-    app = FastAPI(title="Strata gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # FastAPI's own request spans are off: TracingMiddleware makes the one root span, which carries
+    # the request's facts (model, usage) and lasts as long as a stream does.
+    app = FastAPI(title="Strata gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  telemetry={"tracing": False})
     errors.install_handlers(app)
     app.include_router(chat.router)
     app.include_router(completions.router)
@@ -87,5 +90,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(ErrorCountMiddleware, counter=metrics.request_errors)
+    app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestIdMiddleware)
     return app

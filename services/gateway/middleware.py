@@ -1,5 +1,6 @@
 """HTTP plumbing around every route, as pure ASGI middleware (they never buffer a stream):
-``x-request-id`` on every response, API-key auth on ``/v1``, and the request-body size limit."""
+``x-request-id`` on every response, the request's root trace span, API-key auth on ``/v1``, and
+the request-body size limit."""
 
 import hmac
 import uuid
@@ -7,6 +8,7 @@ import uuid
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common import telemetry
 from services.gateway import errors
 
 _MAX_REQUEST_ID_LEN = 128
@@ -119,3 +121,35 @@ class ErrorCountMiddleware:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+class TracingMiddleware:
+    """The root span of each HTTP request (continuing a client's ``traceparent`` when it sends one),
+    lasting until the response's last byte, so a stream's span covers the whole stream. gRPC calls
+    made while handling the request carry it (``services.common.telemetry``); handlers add the
+    request's facts (model, usage) to ``trace.get_current_span()``. Probes (``/health``,
+    ``/metrics``) are not traced."""
+
+    UNTRACED_PATHS = frozenset({"/health", "/metrics"})
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.UNTRACED_PATHS:
+            return await self.app(scope, receive, send)
+        carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope.get("headers", ())}
+        attributes = {"http.request.method": scope["method"], "url.path": scope["path"]}
+        request_id = scope.get("state", {}).get("request_id")
+        if request_id:
+            attributes["strata.request_id"] = request_id
+        with telemetry.server_span(f"{scope['method']} {scope['path']}", carrier, attributes) as span:
+
+            async def send_with_status(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                    if message["status"] >= 500:
+                        span.set_status(telemetry.Status(telemetry.StatusCode.ERROR))
+                await send(message)
+
+            await self.app(scope, receive, send_with_status)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 
 from services.gateway import sse
 from services.gateway.errors import OpenAIError
@@ -170,10 +171,15 @@ async def serve(request: Request, upstream: Upstream, metrics: GatewayMetrics, f
     usage = Usage(prompts, params.n)
     recorder = _Recorder(metrics, ctx)
     handed_over = False
+    span = trace.get_current_span()  # the request's root span (TracingMiddleware)
+    span.set_attributes({"gen_ai.request.model": ctx.model, "strata.response_id": ctx.response_id,
+                         "strata.num_choices": len(specs)})
 
     def on_close() -> None:
         fanout.cancel()
         recorder.done(usage, completed=fanout.finished)
+        span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
+                             "gen_ai.usage.output_tokens": usage.completion_tokens})
 
     try:
         if params.stream:

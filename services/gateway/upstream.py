@@ -10,6 +10,7 @@ import json
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import telemetry
 from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway import errors
 from services.gateway.validation import MAX_TOP_LOGPROBS, ModelFacts
@@ -26,8 +27,10 @@ class Upstream:
 
     def __init__(self, tokenizer_addr: str, engine_addr: str, served_model_name: str | None = None,
                  rpc_timeout_s: float = 30.0, generate_timeout_s: float = 3600.0) -> None:
-        self._tokenizer_channel = grpc.aio.insecure_channel(tokenizer_addr, options=_CHANNEL_OPTIONS)
-        self._engine_channel = grpc.aio.insecure_channel(engine_addr, options=_CHANNEL_OPTIONS)
+        self._tokenizer_channel = grpc.aio.insecure_channel(tokenizer_addr, options=_CHANNEL_OPTIONS,
+                                                            interceptors=telemetry.client_interceptors())
+        self._engine_channel = grpc.aio.insecure_channel(engine_addr, options=_CHANNEL_OPTIONS,
+                                                         interceptors=telemetry.client_interceptors())
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel)
         self.engine = engine_pb2_grpc.EngineStub(self._engine_channel)
         self.rpc_timeout_s = rpc_timeout_s

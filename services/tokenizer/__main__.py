@@ -6,6 +6,7 @@ import logging
 import uvloop
 
 from services.common.default_model import ensure_default_model
+from services.common.telemetry import setup_tracing
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from services.tokenizer.server import serve
 
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=50051, help="port, 0 for any free one (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("strata-tokenizer")
     tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())
     uvloop.run(serve(tokenizer, args.host, args.port))  # grpc.aio on uvloop: less CPU per streamed token
     return 0
