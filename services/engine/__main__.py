@@ -16,6 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
+    parser.add_argument("--nats-url", help="publish KV-cache events and load reports on this NATS server "
+                        "(e.g. nats://127.0.0.1:4222), for the router")
+    parser.add_argument("--load-report-interval", type=float, default=1.0,
+                        help="seconds between load reports on NATS (default: %(default)s)")
     return parser
 
 
@@ -26,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_tracing("strata-engine")
     from services.engine.server import run_server
 
+    if args.load_report_interval <= 0:
+        raise SystemExit("strata engine: --load-report-interval must be > 0")
     run_server(config, args.host, args.port, args.served_model_name or config.model,
-               args.shutdown_timeout, args.metrics_port)
+               args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval)
     return 0
 
 

@@ -21,6 +21,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
+from services.engine.nats_events import KV_SUBJECT, KvEventBuffer, NatsPublisher, report_load
 from services.engine.protocol import output_to_proto, sampling_params_from_proto
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 
 def run_server(config: EngineConfig, host: str, port: int, served_model_name: str,
-               shutdown_timeout_s: float, metrics_port: int | None) -> None:
+               shutdown_timeout_s: float, metrics_port: int | None, nats_url: str | None = None,
+               load_report_interval_s: float = 1.0) -> None:
     """Serves until SIGTERM/SIGINT. The gRPC server (asyncio) runs in a background thread; this
-    (main) thread loads the model and then runs the engine loop (see `AsyncEngine.run`)."""
+    (main) thread loads the model and then runs the engine loop (see `AsyncEngine.run`). With
+    ``nats_url``, KV events and load reports go to NATS (see `nats_events`)."""
     metrics = EngineMetrics(served_model_name)
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
@@ -96,9 +99,10 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     servicer = EngineServicer(config, served_model_name)
     stop_requested = asyncio.Event()
     engine_ready = asyncio.Event()
+    events = _EventPublishing(config, nats_url, load_report_interval_s) if nats_url else None
     grpc_thread = threading.Thread(
         target=loop.run_until_complete, name="grpc",
-        args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested),))
+        args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested, events),))
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -108,23 +112,49 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     grpc_thread.start()
-    core = EngineCore(config)
+    core = EngineCore(config, event_sink=events.buffer if events else None)
     core.warmup()
     if not stopping.is_set():
-        engine = AsyncEngine(core, on_step=metrics.observe_step)
+        engine = AsyncEngine(core, on_step=events.after_step(metrics.observe_step) if events else metrics.observe_step)
         servicer.engine = engine
         loop.call_soon_threadsafe(engine_ready.set)
         engine.run()  # until _serve_grpc calls engine.shutdown()
     grpc_thread.join()
 
 
+class _EventPublishing:
+    """The KV-event buffer the block pool fills, and the NATS publisher its batches and the load
+    reports go out through."""
+
+    def __init__(self, config: EngineConfig, nats_url: str, load_report_interval_s: float) -> None:
+        self.buffer = KvEventBuffer(config.replica_id, config.block_size)
+        self.publisher = NatsPublisher(nats_url, name=f"strata-engine-{config.replica_id}")
+        self.subject = KV_SUBJECT.format(replica_id=config.replica_id)
+        self.load_report_interval_s = load_report_interval_s
+
+    def after_step(self, observe_step):
+        """``observe_step``, then the step's KV events out as one batch (engine thread)."""
+
+        def on_step(*args) -> None:
+            observe_step(*args)
+            batch = self.buffer.take_batch()
+            if batch is not None:
+                self.publisher.publish_threadsafe(self.subject, batch.SerializeToString())
+
+        return on_step
+
+
 async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_timeout_s: float,
-                      engine_ready: asyncio.Event, stop_requested: asyncio.Event) -> None:
+                      engine_ready: asyncio.Event, stop_requested: asyncio.Event,
+                      events: _EventPublishing | None) -> None:
     config = servicer.config
     server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}")
     await server.start()
+    reports = None
+    if events is not None:
+        events.publisher.start()
     log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
     ready = asyncio.create_task(engine_ready.wait())
     await asyncio.wait([ready, asyncio.create_task(stop_requested.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -135,6 +165,10 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
         core = servicer.engine.core
         log.info("engine %s ready: %d KV blocks of %d tokens, max model len %d", config.replica_id,
                  core.num_kv_blocks, config.block_size, core.max_model_len)
+        if events is not None:
+            reports = asyncio.create_task(report_load(
+                events.publisher, config.replica_id, f"{host}:{bound}", config.max_num_seqs,
+                lambda: servicer.engine.stats, events.load_report_interval_s))
         await stop_requested.wait()
     log.info("shutting down: no new requests; waiting up to %.0fs for in-flight ones", shutdown_timeout_s)
     servicer.accepting = False
@@ -146,3 +180,7 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
     await server.stop()
     if servicer.engine is not None:
         servicer.engine.shutdown()
+    if reports is not None:
+        reports.cancel()
+    if events is not None:
+        await events.publisher.close()

@@ -26,12 +26,12 @@ def generate_request(request_id: str, prompt: list[int], max_tokens: int, **samp
 
 
 class EngineProcess:
-    def __init__(self, model_dir, port: int, log_path) -> None:
+    def __init__(self, model_dir, port: int, log_path, extra_args: tuple[str, ...] = ()) -> None:
         self.log_path = log_path
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.engine", "--model", str(model_dir), "--port", str(port),
-                 "--num-kv-blocks", "256", "--max-num-seqs", "8", "--shutdown-timeout", "20"],
+                 "--num-kv-blocks", "256", "--max-num-seqs", "8", "--shutdown-timeout", "20", *extra_args],
                 stdout=log, stderr=subprocess.STDOUT)
         # Reconnect quickly, so polling sees the server as soon as it listens (during the model load).
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
