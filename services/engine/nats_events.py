@@ -17,12 +17,10 @@ import logging
 import time
 from collections.abc import Callable
 
+from services.common.event_subjects import KV_EVENTS, LOAD_REPORTS
 from services.common.pb import events_pb2
 
 log = logging.getLogger(__name__)
-
-KV_SUBJECT = "strata.kv.{replica_id}"
-LOAD_SUBJECT = "strata.load.{replica_id}"
 
 
 class KvEventBuffer:
@@ -132,7 +130,7 @@ class NatsPublisher:
 async def report_load(publisher: NatsPublisher, replica_id: str, address: str, max_num_seqs: int,
                       stats: Callable, interval_s: float) -> None:
     """Publishes a ``LoadReport`` of ``stats()`` (a ``SchedulerStats``) every ``interval_s``, forever."""
-    subject = LOAD_SUBJECT.format(replica_id=replica_id)
+    subject = LOAD_REPORTS.format(replica_id=replica_id)
     while True:
         s = stats()
         report = events_pb2.LoadReport(

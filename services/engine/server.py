@@ -15,13 +15,14 @@ import uvloop
 from opentelemetry import trace
 
 from services.common.errors import ServiceUnavailableError
+from services.common.event_subjects import KV_EVENTS
 from services.common.grpc_server import GrpcServer
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
-from services.engine.nats_events import KV_SUBJECT, KvEventBuffer, NatsPublisher, report_load
+from services.engine.nats_events import KvEventBuffer, NatsPublisher, report_load
 from services.engine.protocol import output_to_proto, sampling_params_from_proto
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class _EventPublishing:
     def __init__(self, config: EngineConfig, nats_url: str, load_report_interval_s: float) -> None:
         self.buffer = KvEventBuffer(config.replica_id, config.block_size)
         self.publisher = NatsPublisher(nats_url, name=f"strata-engine-{config.replica_id}")
-        self.subject = KV_SUBJECT.format(replica_id=config.replica_id)
+        self.subject = KV_EVENTS.format(replica_id=config.replica_id)
         self.load_report_interval_s = load_report_interval_s
 
     def after_step(self, observe_step):

@@ -1,8 +1,13 @@
 """`strata up` machinery: a service that dies during startup is named with the tail of its log,
 and nothing is left running."""
 
+import time
+
+import grpc
+import openai
 import pytest
 
+from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.launcher import (Stack, StackConfig, StartupError, engine_flags, find_free_port, gateway_flags,
                                parse_args)
 
@@ -31,3 +36,24 @@ def test_gateway_flags_pass_through():
     args = parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--gateway-args", "--max-n 4"])
     assert gateway_flags(args) == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-n", "4"]
     assert gateway_flags(parse_args([])) == []
+
+
+def test_replicas_behind_a_router(default_model_dir, tmp_path):
+    config = StackConfig(model=str(default_model_dir), port=find_free_port(), replicas=2,
+                         engine_args=["--num-kv-blocks", "64", "--max-num-seqs", "4"],
+                         log_dir=tmp_path / "logs", echo_logs=False, startup_timeout_s=120, grace_s=5)
+    with Stack(config) as stack:
+        assert [s.name for s in stack.services] == ["tokenizer", "nats", "engine-0", "engine-1", "router", "gateway"]
+        with grpc.insecure_channel(stack.engine_addr) as channel:  # the gateway's upstream is the router
+            deadline = time.monotonic() + 20
+            info = engine_pb2_grpc.EngineStub(channel).Info(engine_pb2.EngineInfoRequest(), timeout=5)
+            while info.num_kv_blocks < 128:  # until the router has checked both replicas
+                assert time.monotonic() < deadline, info
+                time.sleep(0.1)
+                info = engine_pb2_grpc.EngineStub(channel).Info(engine_pb2.EngineInfoRequest(), timeout=5)
+        assert info.replica_id == "router-0"
+        with openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0) as client:
+            for i in range(4):
+                response = client.completions.create(model=stack.model_name, prompt=f"request {i}", max_tokens=3)
+                assert response.usage.completion_tokens == 3
+    assert all(service.exit_code is not None for service in stack.services)

@@ -4,40 +4,16 @@ router can compute them from a prompt; load reports with the replica's address a
 engine that starts while NATS is down serves anyway and publishes once NATS is up."""
 
 import asyncio
-import shutil
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from services.common.block_hash import hash_prompt_blocks
 from services.common.pb import events_pb2
 from tests.engine.test_engine_server import EngineProcess, generate_request
+from tests.nats_server import NatsServer
 
 BLOCK_SIZE = 16
-
-
-class NatsServer:
-    def __init__(self, port: int) -> None:
-        binary = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
-        self.url = f"nats://127.0.0.1:{port}"
-        self.process = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return
-            except OSError:
-                assert self.process.poll() is None and time.monotonic() < deadline, "nats-server did not start"
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=10)
 
 
 class Subscriber:

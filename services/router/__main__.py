@@ -1,0 +1,43 @@
+"""``python -m services.router --port 50060 --engine-addrs H:P,H:P [--nats-url nats://H:P]`` (also
+``strata router ...``): one `strata.v1.Engine` address in front of many engine replicas."""
+
+import argparse
+import logging
+
+import uvloop
+
+from services.common.block_hash import DEFAULT_HASH_SEED
+from services.common.telemetry import setup_tracing
+from services.router.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="strata router", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50060, help="port, 0 for any free one (default: %(default)s)")
+    parser.add_argument("--engine-addrs", default="",
+                        help="comma-separated host:port of the engine replicas (more can join by NATS load reports)")
+    parser.add_argument("--nats-url", help="follow the engines' KV events and load reports here; without it, "
+                        "routing is by load (polled) alone")
+    parser.add_argument("--prefix-cache-hash-seed", type=int, default=DEFAULT_HASH_SEED,
+                        help="the engines' --prefix-cache-hash-seed (default: %(default)s)")
+    parser.add_argument("--router-id", default="router-0", help="this router's id in Info and Load")
+    parser.add_argument("--health-check-interval", type=float, default=1.0,
+                        help="seconds between replica health checks (default: %(default)s)")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="replicas a request may try when they fail before its first token (default: %(default)s)")
+    args = parser.parse_args(argv)
+    addresses = [a.strip() for a in args.engine_addrs.split(",") if a.strip()]
+    if not addresses and not args.nats_url:
+        parser.error("give --engine-addrs, or --nats-url for engines that announce themselves")
+    if args.health_check_interval <= 0 or args.max_attempts < 1:
+        parser.error("--health-check-interval must be > 0 and --max-attempts >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("strata-router")
+    uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
+                     args.health_check_interval, args.max_attempts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""The engine replicas behind the router: their channels, health and load.
+
+A replica is healthy while its gRPC health check says SERVING; it is checked every
+``check_interval_s``, and also marked down at once when a call to it fails as unavailable. Its load
+comes from its NATS load reports, or, without NATS or when reports stop, from polling ``Load``.
+Replicas are given by address at start, and a load report from an address not yet known adds one
+(engines can join by publishing).
+"""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import telemetry
+from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+REPORT_FRESH_S = 3.0  # a load report older than this is stale: poll instead
+
+
+@dataclass
+class Replica:
+    address: str
+    channel: grpc.aio.Channel
+    stub: engine_pb2_grpc.EngineStub
+    health: health_pb2_grpc.HealthStub
+    replica_id: str = ""  # from its Info, once reachable
+    info: engine_pb2.EngineInfoResponse | None = None
+    healthy: bool = False
+    kv_blocks_used: int = 0
+    num_waiting: int = 0
+    load_at: float = 0.0  # monotonic time of the last load figure
+    in_flight: int = 0  # this router's requests running there
+    in_flight_blocks: int = 0
+    served: int = 0  # requests this router sent it
+
+    @classmethod
+    def connect(cls, address: str) -> "Replica":
+        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS,
+                                            interceptors=telemetry.client_interceptors())
+        return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel))
+
+    @property
+    def name(self) -> str:
+        return self.replica_id or self.address
+
+
+class ReplicaSet:
+    def __init__(self, addresses: list[str], check_interval_s: float = 1.0) -> None:
+        self.replicas: dict[str, Replica] = {}  # by address
+        for address in addresses:
+            self.add(address)
+        self.check_interval_s = check_interval_s
+        self.on_down = lambda replica: None  # called when a replica stops being healthy
+
+    def add(self, address: str) -> Replica:
+        if address not in self.replicas:
+            self.replicas[address] = Replica.connect(address)
+            log.info("engine replica %s added", address)
+        return self.replicas[address]
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def by_replica_id(self, replica_id: str) -> Replica | None:
+        return next((r for r in self.replicas.values() if r.replica_id == replica_id), None)
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("engine replica %s (%s) is down: %s", replica.name, replica.address, reason)
+            replica.healthy = False
+            self.on_down(replica)
+
+    def apply_report(self, report: events_pb2.LoadReport) -> None:
+        replica = self.by_replica_id(report.replica_id)
+        if replica is None and report.address:
+            replica = self.add(report.address)  # it is checked before it is used
+        if replica is not None:
+            replica.kv_blocks_used, replica.num_waiting = report.num_kv_blocks_used, report.num_waiting
+            replica.load_at = time.monotonic()
+
+    async def check(self, replica: Replica) -> None:
+        """Health (and Info the first time), then Load if no fresh report came."""
+        try:
+            status = (await replica.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)).status
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                self.mark_down(replica, "health is not SERVING")
+                return
+            info = await replica.stub.Info(engine_pb2.EngineInfoRequest(), timeout=2.0)
+            if replica.replica_id and info.replica_id != replica.replica_id:
+                self.on_down(replica)  # another engine process now: what it cached is gone
+            replica.info, replica.replica_id = info, info.replica_id
+            if time.monotonic() - replica.load_at > REPORT_FRESH_S:
+                load = await replica.stub.Load(engine_pb2.LoadRequest(), timeout=1.0)
+                replica.kv_blocks_used, replica.num_waiting = load.num_kv_blocks_used, load.num_waiting
+                replica.load_at = time.monotonic()
+        except grpc.aio.AioRpcError as error:
+            self.mark_down(replica, f"{error.code().name}: {error.details()}")
+            return
+        if not replica.healthy:
+            log.info("engine replica %s (%s) is serving", replica.name, replica.address)
+            replica.healthy = True
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.channel.close() for r in self.replicas.values()))

@@ -1,0 +1,162 @@
+"""The router's gRPC service: the same `strata.v1.Engine` as an engine, so the gateway does not know
+whether one engine or a fleet answers.
+
+``Generate`` hashes the prompt's blocks as the engines do, asks the policy for a replica, and relays
+that replica's stream. If the replica fails before the first output (UNAVAILABLE: down, draining,
+unreachable), it is marked down and the request goes to another, up to ``max_attempts`` replicas;
+after the first output an error is the client's to see. An engine's own refusal (INVALID_ARGUMENT,
+...) is passed on as it is. ``Info`` is a healthy replica's (with the router's id); ``Load`` sums the
+healthy replicas'. Health is SERVING while at least one replica is.
+"""
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+
+from services.common.block_hash import hash_prompt_blocks
+from services.common.errors import ServiceUnavailableError
+from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
+from services.common.grpc_server import GrpcServer
+from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
+from services.router.policy import Candidate, choose
+from services.router.prefix_index import PrefixIndex
+from services.router.replicas import Replica, ReplicaSet
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+_RETRY_ON = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class RouterServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, replicas: ReplicaSet, index: PrefixIndex, router_id: str, hash_seed: int,
+                 max_attempts: int = 3, request_timeout_s: float = 3600.0) -> None:
+        self.replicas = replicas
+        self.index = index
+        self.router_id = router_id
+        self.hash_seed = hash_seed
+        self.max_attempts = max_attempts
+        self.request_timeout_s = request_timeout_s
+        self._turns = itertools.count()
+
+    def pick(self, request: engine_pb2.GenerateRequest, exclude: set[str]) -> tuple[Replica, int] | None:
+        """The replica for ``request`` among the healthy ones not in ``exclude`` (addresses), with the
+        request's prompt size in blocks."""
+        healthy = [r for r in self.replicas.healthy() if r.address not in exclude]
+        if not healthy:
+            return None
+        block_size = healthy[0].info.block_size if healthy[0].info else 16
+        extra_keys = (request.cache_salt,) if request.cache_salt else ()
+        hashes = hash_prompt_blocks(request.prompt_token_ids, block_size, self.hash_seed, extra_keys)
+        prompt_blocks = -(-len(request.prompt_token_ids) // block_size)
+        candidates = {r.address: Candidate(r.address, self.index.overlap(r.replica_id, hashes), r.kv_blocks_used,
+                                           r.in_flight_blocks, r.in_flight) for r in healthy}
+        chosen = choose(list(candidates.values()), prompt_blocks, next(self._turns))
+        return self.replicas.replicas[chosen.name], prompt_blocks
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context):
+        tried: set[str] = set()
+        while True:
+            picked = self.pick(request, tried) if len(tried) < self.max_attempts else None
+            if picked is None:
+                raise ServiceUnavailableError("no engine replica is available" if not tried else
+                                              f"every engine replica tried failed ({', '.join(sorted(tried))})")
+            replica, prompt_blocks = picked
+            tried.add(replica.address)
+            replica.in_flight += 1
+            replica.in_flight_blocks += prompt_blocks
+            replica.served += 1
+            call = replica.stub.Generate(request, timeout=self.request_timeout_s)
+            relayed = False
+            try:
+                async for output in call:
+                    relayed = True
+                    yield output
+                return
+            except grpc.aio.AioRpcError as error:
+                if relayed or error.code() not in _RETRY_ON:
+                    await context.abort(error.code(), error.details())
+                self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
+                log.warning("request %s: replica %s failed before its first output; trying another",
+                            request.request_id, replica.name)
+            finally:
+                call.cancel()  # a client that left, or a relay cut short, frees the engine's blocks
+                replica.in_flight -= 1
+                replica.in_flight_blocks -= prompt_blocks
+
+    async def Info(self, request, context) -> engine_pb2.EngineInfoResponse:
+        known = [r for r in self.replicas.healthy() if r.info is not None]
+        if not known:
+            raise ServiceUnavailableError("no engine replica is available")
+        info = engine_pb2.EngineInfoResponse()
+        info.CopyFrom(known[0].info)
+        info.replica_id = self.router_id
+        info.num_kv_blocks = sum(r.info.num_kv_blocks for r in known)
+        info.max_num_seqs = sum(r.info.max_num_seqs for r in known)
+        return info
+
+    async def Load(self, request, context) -> engine_pb2.LoadResponse:
+        loads = await asyncio.gather(*(r.stub.Load(engine_pb2.LoadRequest(), timeout=2.0)
+                                       for r in self.replicas.healthy()), return_exceptions=True)
+        total = engine_pb2.LoadResponse(replica_id=self.router_id)
+        for load in loads:
+            if isinstance(load, engine_pb2.LoadResponse):
+                for field in ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total",
+                              "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
+                    setattr(total, field, getattr(total, field) + getattr(load, field))
+        return total
+
+
+async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixIndex):
+    """Feeds KV events to the index and load reports to the replicas; returns the NATS connection."""
+    import nats
+
+    async def on_kv_events(message) -> None:
+        index.apply(events_pb2.KvEventBatch.FromString(message.data))
+
+    async def on_load_report(message) -> None:
+        replicas.apply_report(events_pb2.LoadReport.FromString(message.data))
+
+    connection = await nats.connect(nats_url, name="strata-router", max_reconnect_attempts=-1,
+                                    reconnect_time_wait=0.5)
+    await connection.subscribe(ALL_KV_EVENTS, cb=on_kv_events)
+    await connection.subscribe(ALL_LOAD_REPORTS, cb=on_load_report)
+    log.info("following KV events and load reports on NATS at %s", nats_url)
+    return connection
+
+
+async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | None, router_id: str,
+                hash_seed: int, check_interval_s: float, max_attempts: int) -> None:
+    """Serves until SIGTERM/SIGINT."""
+    index = PrefixIndex()
+    replicas = ReplicaSet(engine_addrs, check_interval_s)
+    replicas.on_down = lambda replica: index.forget(replica.replica_id)
+    servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts)
+    server = GrpcServer([SERVICE_NAME])
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
+    bound = server.add_port(f"{host}:{port}")
+    await server.start()
+    log.info("router %s listening on %s:%d for %d engine replica(s)", router_id, host, bound, len(engine_addrs))
+    connection = await subscribe_events(nats_url, replicas, index) if nats_url else None
+    checks = asyncio.create_task(_check_and_report(replicas, server))
+    try:
+        await server.wait_for_termination()
+    finally:
+        checks.cancel()
+        if connection is not None:
+            await connection.close()
+        await replicas.close()
+
+
+async def _check_and_report(replicas: ReplicaSet, server: GrpcServer) -> None:
+    """Checks the replicas forever; the router is SERVING while any of them is."""
+    serving = None
+    while True:
+        await asyncio.gather(*(replicas.check(r) for r in list(replicas.replicas.values())))
+        now_serving = bool(replicas.healthy())
+        if now_serving != serving:
+            await server.set_serving(now_serving)
+            serving = now_serving
+        await asyncio.sleep(replicas.check_interval_s)
