@@ -7,6 +7,7 @@ TOOLS = {
     "serve": ("services.bench.serve", "load-test a running OpenAI-compatible server"),
     "offline": ("services.bench.offline", "the engine in-process against HF transformers"),
     "overhead": ("services.bench.overhead", "the whole stack against the engine in-process"),
+    "routing": ("services.bench.routing", "prefix-aware routing against round-robin, on replicas"),
     "compare": ("services.bench.compare", "two result files side by side, with ratios"),
 }
 

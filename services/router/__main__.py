@@ -8,7 +8,7 @@ import uvloop
 
 from services.common.block_hash import DEFAULT_HASH_SEED
 from services.common.telemetry import setup_tracing
-from services.router.server import serve
+from services.router.server import POLICIES, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-id", default="router-0", help="this router's id in Info and Load")
     parser.add_argument("--health-check-interval", type=float, default=1.0,
                         help="seconds between replica health checks (default: %(default)s)")
+    parser.add_argument("--policy", default="cache-aware", choices=POLICIES,
+                        help="cache-aware: most prefix-cache overlap while the load is balanced, least load "
+                             "otherwise; round-robin: neither (a baseline) (default: %(default)s)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas a request may try when they fail before its first token (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -35,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("strata-router")
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
-                     args.health_check_interval, args.max_attempts))
+                     args.health_check_interval, args.max_attempts, args.policy))
     return 0
 
 

@@ -1,15 +1,20 @@
-"""Which replica serves a request: the one where it costs least, counting in KV blocks.
+"""Which replica serves a request: the one holding most of its prefix, unless that would unbalance
+the fleet (the approach of SGLang's cache-aware router).
 
-``cost = blocks to prefill there + blocks of work the replica already has``. The first term is the
-prompt's full blocks minus the ones its prefix cache holds (the prefix index); the second is the
-larger of the KV blocks its last load report showed in use and the prompt blocks of the requests
-this router has in flight on it (instant, where reports lag). So a cached prefix pulls a request to
-its replica until that replica is busier than the prefill the cache would save; with no overlap
-anywhere, requests spread by load. Ties go to fewer requests in flight, then round-robin.
+A replica's load is the requests it has: this router's in flight there, plus the waiting ones its
+last load report showed (other routers' traffic). While the fleet is balanced (the busiest replica
+has at most ``max_imbalance`` more requests than the idlest, or at most ``max_ratio`` times as
+many), a request goes to the replica whose prefix cache holds most of its leading blocks, so its
+prefill is mostly skipped; among equals (no overlap anywhere, say), to the least loaded, then in
+turn. Once the fleet is unbalanced, a request goes to the least loaded replica whatever the caches
+hold, until the fleet evens out.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+MAX_IMBALANCE = 8  # requests
+MAX_RATIO = 1.5
 
 
 @dataclass
@@ -18,17 +23,22 @@ class Candidate:
 
     name: str
     matched_blocks: int  # the prompt's leading blocks in its prefix cache
-    kv_blocks_used: int  # from its last load report
-    in_flight_blocks: int  # prompt blocks of this router's requests running there
-    in_flight: int  # this router's requests running there
+    load: int  # requests it has: this router's in flight there + its reported waiting
 
 
-def cost(candidate: Candidate, prompt_blocks: int) -> int:
-    return (prompt_blocks - candidate.matched_blocks) + max(candidate.kv_blocks_used, candidate.in_flight_blocks)
+def is_balanced(candidates: Sequence[Candidate], max_imbalance: int = MAX_IMBALANCE,
+                max_ratio: float = MAX_RATIO) -> bool:
+    busiest, idlest = max(c.load for c in candidates), min(c.load for c in candidates)
+    return busiest - idlest <= max_imbalance or busiest <= max_ratio * idlest
 
 
-def choose(candidates: Sequence[Candidate], prompt_blocks: int, turn: int) -> Candidate:
-    """The cheapest candidate; ``turn`` (a counter) rotates among equals."""
-    best = min((cost(c, prompt_blocks), c.in_flight) for c in candidates)
-    tied = [c for c in candidates if (cost(c, prompt_blocks), c.in_flight) == best]
+def choose(candidates: Sequence[Candidate], turn: int, max_imbalance: int = MAX_IMBALANCE,
+           max_ratio: float = MAX_RATIO) -> Candidate:
+    """The replica for a request; ``turn`` (a counter) rotates among equals."""
+    if is_balanced(candidates, max_imbalance, max_ratio):
+        key = lambda c: (-c.matched_blocks, c.load)  # noqa: E731
+    else:
+        key = lambda c: (c.load, -c.matched_blocks)  # noqa: E731
+    best = min(key(c) for c in candidates)
+    tied = [c for c in candidates if key(c) == best]
     return tied[turn % len(tied)]

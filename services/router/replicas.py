@@ -34,11 +34,9 @@ class Replica:
     replica_id: str = ""  # from its Info, once reachable
     info: engine_pb2.EngineInfoResponse | None = None
     healthy: bool = False
-    kv_blocks_used: int = 0
-    num_waiting: int = 0
+    num_waiting: int = 0  # from its load reports (other routers' traffic shows here)
     load_at: float = 0.0  # monotonic time of the last load figure
     in_flight: int = 0  # this router's requests running there
-    in_flight_blocks: int = 0
     served: int = 0  # requests this router sent it
 
     @classmethod
@@ -83,7 +81,7 @@ class ReplicaSet:
         if replica is None and report.address:
             replica = self.add(report.address)  # it is checked before it is used
         if replica is not None:
-            replica.kv_blocks_used, replica.num_waiting = report.num_kv_blocks_used, report.num_waiting
+            replica.num_waiting = report.num_waiting
             replica.load_at = time.monotonic()
 
     async def check(self, replica: Replica) -> None:
@@ -99,7 +97,7 @@ class ReplicaSet:
             replica.info, replica.replica_id = info, info.replica_id
             if time.monotonic() - replica.load_at > REPORT_FRESH_S:
                 load = await replica.stub.Load(engine_pb2.LoadRequest(), timeout=1.0)
-                replica.kv_blocks_used, replica.num_waiting = load.num_kv_blocks_used, load.num_waiting
+                replica.num_waiting = load.num_waiting
                 replica.load_at = time.monotonic()
         except grpc.aio.AioRpcError as error:
             self.mark_down(replica, f"{error.code().name}: {error.details()}")

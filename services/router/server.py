@@ -27,12 +27,16 @@ from services.router.replicas import Replica, ReplicaSet
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+POLICIES = ("cache-aware", "round-robin")  # policy.py; round-robin: the baseline, blind to caches and load
 _RETRY_ON = (grpc.StatusCode.UNAVAILABLE,)
 
 
 class RouterServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, replicas: ReplicaSet, index: PrefixIndex, router_id: str, hash_seed: int,
-                 max_attempts: int = 3, request_timeout_s: float = 3600.0) -> None:
+                 max_attempts: int = 3, request_timeout_s: float = 3600.0, policy: str = "cache-aware") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"--policy {policy!r} is not one of {', '.join(POLICIES)}")
+        self.policy = policy
         self.replicas = replicas
         self.index = index
         self.router_id = router_id
@@ -41,20 +45,20 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         self.request_timeout_s = request_timeout_s
         self._turns = itertools.count()
 
-    def pick(self, request: engine_pb2.GenerateRequest, exclude: set[str]) -> tuple[Replica, int] | None:
-        """The replica for ``request`` among the healthy ones not in ``exclude`` (addresses), with the
-        request's prompt size in blocks."""
+    def pick(self, request: engine_pb2.GenerateRequest, exclude: set[str]) -> Replica | None:
+        """The replica for ``request`` among the healthy ones not in ``exclude`` (addresses)."""
         healthy = [r for r in self.replicas.healthy() if r.address not in exclude]
         if not healthy:
             return None
         block_size = healthy[0].info.block_size if healthy[0].info else 16
         extra_keys = (request.cache_salt,) if request.cache_salt else ()
+        if self.policy == "round-robin":  # the baseline: no look at caches or load
+            return healthy[next(self._turns) % len(healthy)]
         hashes = hash_prompt_blocks(request.prompt_token_ids, block_size, self.hash_seed, extra_keys)
-        prompt_blocks = -(-len(request.prompt_token_ids) // block_size)
-        candidates = {r.address: Candidate(r.address, self.index.overlap(r.replica_id, hashes), r.kv_blocks_used,
-                                           r.in_flight_blocks, r.in_flight) for r in healthy}
-        chosen = choose(list(candidates.values()), prompt_blocks, next(self._turns))
-        return self.replicas.replicas[chosen.name], prompt_blocks
+        candidates = [Candidate(r.address, self.index.overlap(r.replica_id, hashes), r.in_flight + r.num_waiting)
+                      for r in healthy]
+        chosen = choose(candidates, next(self._turns))
+        return self.replicas.replicas[chosen.name]
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         tried: set[str] = set()
@@ -63,10 +67,9 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
             if picked is None:
                 raise ServiceUnavailableError("no engine replica is available" if not tried else
                                               f"every engine replica tried failed ({', '.join(sorted(tried))})")
-            replica, prompt_blocks = picked
+            replica = picked
             tried.add(replica.address)
             replica.in_flight += 1
-            replica.in_flight_blocks += prompt_blocks
             replica.served += 1
             call = replica.stub.Generate(request, timeout=self.request_timeout_s)
             relayed = False
@@ -84,7 +87,6 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
             finally:
                 call.cancel()  # a client that left, or a relay cut short, frees the engine's blocks
                 replica.in_flight -= 1
-                replica.in_flight_blocks -= prompt_blocks
 
     async def Info(self, request, context) -> engine_pb2.EngineInfoResponse:
         known = [r for r in self.replicas.healthy() if r.info is not None]
@@ -128,12 +130,12 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
 
 
 async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | None, router_id: str,
-                hash_seed: int, check_interval_s: float, max_attempts: int) -> None:
+                hash_seed: int, check_interval_s: float, max_attempts: int, policy: str = "cache-aware") -> None:
     """Serves until SIGTERM/SIGINT."""
     index = PrefixIndex()
     replicas = ReplicaSet(engine_addrs, check_interval_s)
     replicas.on_down = lambda replica: index.forget(replica.replica_id)
-    servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts)
+    servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts, policy=policy)
     server = GrpcServer([SERVICE_NAME])
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}")

@@ -1,8 +1,8 @@
-"""The router's prefix index (events in, overlaps out; gaps and restarts distrusted) and its cost
-policy (a cached prefix pulls, load pushes away, equals rotate)."""
+"""The router's prefix index (events in, overlaps out; gaps and restarts distrusted) and its policy
+(most overlap while the load is balanced, least load otherwise, equals in turn)."""
 
 from services.common.pb import events_pb2
-from services.router.policy import Candidate, choose, cost
+from services.router.policy import Candidate, choose, is_balanced
 from services.router.prefix_index import PrefixIndex
 
 
@@ -49,21 +49,24 @@ def test_a_gap_or_a_restart_empties_the_replicas_index():
     assert index.overlap("b", [9]) == 0
 
 
-def candidate(name, matched=0, used=0, in_flight_blocks=0, in_flight=0):
-    return Candidate(name, matched, used, in_flight_blocks, in_flight)
+def candidate(name, matched=0, load=0):
+    return Candidate(name, matched, load)
 
 
-def test_a_cached_prefix_wins_until_its_replica_is_busier_than_the_saving():
-    cached, idle = candidate("cached", matched=6), candidate("idle")
-    assert choose([idle, cached], prompt_blocks=8, turn=0).name == "cached"
-    busy_cached = candidate("cached", matched=6, used=5)
-    assert cost(busy_cached, 8) == 2 + 5 and cost(idle, 8) == 8
-    assert choose([idle, busy_cached], prompt_blocks=8, turn=0).name == "cached"
-    busier_cached = candidate("cached", matched=6, in_flight_blocks=7)  # the router's own count, not yet reported
-    assert choose([idle, busier_cached], prompt_blocks=8, turn=0).name == "idle"
+def test_most_overlap_wins_while_the_fleet_is_balanced():
+    cached, idle = candidate("cached", matched=6, load=3), candidate("idle", matched=1, load=0)
+    assert is_balanced([cached, idle])
+    assert choose([idle, cached], turn=0).name == "cached"
+    # equal overlap (none, say): the least loaded, then in turn
+    assert choose([candidate("a", load=2), candidate("b", load=1)], turn=0).name == "b"
+    assert [choose([candidate("a"), candidate("b")], turn).name for turn in range(4)] == ["a", "b", "a", "b"]
 
 
-def test_equals_rotate_and_fewer_in_flight_breaks_ties():
-    a, b = candidate("a"), candidate("b")
-    assert [choose([a, b], 4, turn).name for turn in range(4)] == ["a", "b", "a", "b"]
-    assert choose([candidate("a", in_flight=1), b], 4, 0).name == "b"
+def test_an_unbalanced_fleet_sends_requests_to_the_least_loaded():
+    busy, idle = candidate("busy", matched=6, load=20), candidate("idle", load=2)
+    assert not is_balanced([busy, idle])
+    assert choose([busy, idle], turn=0).name == "idle"
+    # both thresholds must be crossed: a large gap between large loads is still balanced
+    assert is_balanced([candidate("a", load=100), candidate("b", load=90)])
+    assert not is_balanced([candidate("a", load=12), candidate("b", load=3)])
+    assert is_balanced([candidate("a", load=8), candidate("b", load=0)])
