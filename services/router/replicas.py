@@ -37,7 +37,6 @@ class Replica:
     num_waiting: int = 0  # from its load reports (other routers' traffic shows here)
     load_at: float = 0.0  # monotonic time of the last load figure
     in_flight: int = 0  # this router's requests running there
-    served: int = 0  # requests this router sent it
 
     @classmethod
     def connect(cls, address: str) -> "Replica":

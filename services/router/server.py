@@ -50,10 +50,10 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         healthy = [r for r in self.replicas.healthy() if r.address not in exclude]
         if not healthy:
             return None
-        block_size = healthy[0].info.block_size if healthy[0].info else 16
-        extra_keys = (request.cache_salt,) if request.cache_salt else ()
         if self.policy == "round-robin":  # the baseline: no look at caches or load
             return healthy[next(self._turns) % len(healthy)]
+        block_size = healthy[0].info.block_size if healthy[0].info else 16
+        extra_keys = (request.cache_salt,) if request.cache_salt else ()
         hashes = hash_prompt_blocks(request.prompt_token_ids, block_size, self.hash_seed, extra_keys)
         candidates = [Candidate(r.address, self.index.overlap(r.replica_id, hashes), r.in_flight + r.num_waiting)
                       for r in healthy]
@@ -63,14 +63,12 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         tried: set[str] = set()
         while True:
-            picked = self.pick(request, tried) if len(tried) < self.max_attempts else None
-            if picked is None:
+            replica = self.pick(request, tried) if len(tried) < self.max_attempts else None
+            if replica is None:
                 raise ServiceUnavailableError("no engine replica is available" if not tried else
                                               f"every engine replica tried failed ({', '.join(sorted(tried))})")
-            replica = picked
             tried.add(replica.address)
             replica.in_flight += 1
-            replica.served += 1
             call = replica.stub.Generate(request, timeout=self.request_timeout_s)
             relayed = False
             try:
