@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="cache-aware", choices=POLICIES,
                         help="cache-aware: most prefix-cache overlap while the load is balanced, least load "
                              "otherwise; round-robin: neither (a baseline) (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas a request may try when they fail before its first token (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("strata-router")
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
-                     args.health_check_interval, args.max_attempts, args.policy))
+                     args.health_check_interval, args.max_attempts, args.policy, args.metrics_port))
     return 0
 
 

@@ -14,6 +14,7 @@ import itertools
 import logging
 
 import grpc
+from opentelemetry import trace
 
 from services.common.block_hash import hash_prompt_blocks
 from services.common.errors import ServiceUnavailableError
@@ -21,6 +22,7 @@ from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
 from services.common.grpc_server import GrpcServer
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
 from services.router.policy import Candidate, choose
+from services.router.metrics import RouterMetrics
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaSet
 
@@ -33,7 +35,8 @@ _RETRY_ON = (grpc.StatusCode.UNAVAILABLE,)
 
 class RouterServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, replicas: ReplicaSet, index: PrefixIndex, router_id: str, hash_seed: int,
-                 max_attempts: int = 3, request_timeout_s: float = 3600.0, policy: str = "cache-aware") -> None:
+                 max_attempts: int = 3, request_timeout_s: float = 3600.0, policy: str = "cache-aware",
+                 metrics: RouterMetrics | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -44,31 +47,41 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         self.max_attempts = max_attempts
         self.request_timeout_s = request_timeout_s
         self._turns = itertools.count()
+        self.metrics = metrics or RouterMetrics()
 
-    def pick(self, request: engine_pb2.GenerateRequest, exclude: set[str]) -> Replica | None:
-        """The replica for ``request`` among the healthy ones not in ``exclude`` (addresses)."""
+    def pick(self, request: engine_pb2.GenerateRequest, exclude: set[str]) -> tuple[Replica, float] | None:
+        """The replica for ``request`` among the healthy ones not in ``exclude`` (addresses), with the
+        fraction of the prompt's full blocks it holds."""
         healthy = [r for r in self.replicas.healthy() if r.address not in exclude]
         if not healthy:
             return None
-        if self.policy == "round-robin":  # the baseline: no look at caches or load
-            return healthy[next(self._turns) % len(healthy)]
         block_size = healthy[0].info.block_size if healthy[0].info else 16
         extra_keys = (request.cache_salt,) if request.cache_salt else ()
         hashes = hash_prompt_blocks(request.prompt_token_ids, block_size, self.hash_seed, extra_keys)
         candidates = [Candidate(r.address, self.index.overlap(r.replica_id, hashes), r.in_flight + r.num_waiting)
                       for r in healthy]
-        chosen = choose(candidates, next(self._turns))
-        return self.replicas.replicas[chosen.name]
+        if self.policy == "round-robin":  # the baseline: no look at caches or load
+            chosen = candidates[next(self._turns) % len(candidates)]
+        else:
+            chosen = choose(candidates, next(self._turns))
+        return self.replicas.replicas[chosen.name], chosen.matched_blocks / len(hashes) if hashes else 0.0
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         tried: set[str] = set()
         while True:
-            replica = self.pick(request, tried) if len(tried) < self.max_attempts else None
-            if replica is None:
+            picked = self.pick(request, tried) if len(tried) < self.max_attempts else None
+            if picked is None:
                 raise ServiceUnavailableError("no engine replica is available" if not tried else
                                               f"every engine replica tried failed ({', '.join(sorted(tried))})")
+            replica, overlap = picked
             tried.add(replica.address)
+            trace.get_current_span().set_attributes({"strata.router.replica": replica.name,
+                                                     "strata.router.prefix_overlap": overlap,
+                                                     "strata.router.attempt": len(tried)})
+            self.metrics.routed.labels(replica.name).inc()
+            self.metrics.overlap.observe(overlap)
             replica.in_flight += 1
+            self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
             call = replica.stub.Generate(request, timeout=self.request_timeout_s)
             relayed = False
             try:
@@ -80,11 +93,13 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 if relayed or error.code() not in _RETRY_ON:
                     await context.abort(error.code(), error.details())
                 self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
+                self.metrics.failovers.labels(replica.name).inc()
                 log.warning("request %s: replica %s failed before its first output; trying another",
                             request.request_id, replica.name)
             finally:
                 call.cancel()  # a client that left, or a relay cut short, frees the engine's blocks
                 replica.in_flight -= 1
+                self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
 
     async def Info(self, request, context) -> engine_pb2.EngineInfoResponse:
         known = [r for r in self.replicas.healthy() if r.info is not None]
@@ -128,19 +143,23 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
 
 
 async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | None, router_id: str,
-                hash_seed: int, check_interval_s: float, max_attempts: int, policy: str = "cache-aware") -> None:
+                hash_seed: int, check_interval_s: float, max_attempts: int, policy: str = "cache-aware",
+                metrics_port: int | None = None) -> None:
     """Serves until SIGTERM/SIGINT."""
     index = PrefixIndex()
     replicas = ReplicaSet(engine_addrs, check_interval_s)
     replicas.on_down = lambda replica: index.forget(replica.replica_id)
-    servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts, policy=policy)
+    metrics = RouterMetrics()
+    if metrics_port is not None:
+        metrics.start_http_server(host, metrics_port)
+    servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts, policy=policy, metrics=metrics)
     server = GrpcServer([SERVICE_NAME])
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}")
     await server.start()
     log.info("router %s listening on %s:%d for %d engine replica(s)", router_id, host, bound, len(engine_addrs))
     connection = await subscribe_events(nats_url, replicas, index) if nats_url else None
-    checks = asyncio.create_task(_check_and_report(replicas, server))
+    checks = asyncio.create_task(_check_and_report(replicas, server, index, metrics))
     try:
         await server.wait_for_termination()
     finally:
@@ -150,11 +169,15 @@ async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | N
         await replicas.close()
 
 
-async def _check_and_report(replicas: ReplicaSet, server: GrpcServer) -> None:
+async def _check_and_report(replicas: ReplicaSet, server: GrpcServer, index: PrefixIndex,
+                            metrics: RouterMetrics) -> None:
     """Checks the replicas forever; the router is SERVING while any of them is."""
     serving = None
     while True:
         await asyncio.gather(*(replicas.check(r) for r in list(replicas.replicas.values())))
+        for replica in replicas.replicas.values():
+            metrics.healthy.labels(replica.name).set(1 if replica.healthy else 0)
+            metrics.index_blocks.labels(replica.name).set(index.num_blocks(replica.replica_id))
         now_serving = bool(replicas.healthy())
         if now_serving != serving:
             await server.set_serving(now_serving)

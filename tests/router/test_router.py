@@ -6,6 +6,7 @@ its requests go to the other one without the client seeing an error."""
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -17,12 +18,13 @@ from tests.nats_server import NatsServer
 
 
 class RouterProcess:
-    def __init__(self, port: int, engine_addrs: list[str], nats_url: str, log_path) -> None:
+    def __init__(self, port: int, engine_addrs: list[str], nats_url: str, log_path, metrics_port: int) -> None:
         self.log_path = log_path
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.router", "--port", str(port), "--engine-addrs", ",".join(engine_addrs),
-                 "--nats-url", nats_url, "--health-check-interval", "0.2"],
+                 "--nats-url", nats_url, "--health-check-interval", "60", "--metrics-port", str(metrics_port)],
                 stdout=log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
@@ -59,7 +61,8 @@ def fleet(default_model_dir, tmp_path_factory, free_port_factory):
         engines[name].address = f"127.0.0.1:{port}"
     for engine in engines.values():
         engine.wait_serving()
-    router = RouterProcess(free_port_factory(), [e.address for e in engines.values()], nats.url, logs / "router.log")
+    router = RouterProcess(free_port_factory(), [e.address for e in engines.values()], nats.url, logs / "router.log",
+                           free_port_factory())
     router.wait_serving()
     deadline = time.monotonic() + 10  # both replicas checked healthy, not only the first
     while router.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5).num_kv_blocks < 512:
@@ -113,6 +116,17 @@ def test_requests_go_on_when_a_replica_dies(fleet):
     engines[victim].process.kill()
     engines[victim].process.wait(timeout=10)
     survivor = ({"e0", "e1"} - {victim}).pop()
-    # The next request prefers the dead replica (its cache), fails over before any token, and is served.
+    # The next request prefers the dead replica (its cache); the router has not checked it since (the
+    # checks are a minute apart here), so the call fails before any token and the request moves over.
     assert served_by(router, "v1", shared + [7]) == survivor
     assert all(served_by(router, f"v{i}", [600 + i] * 20) == survivor for i in range(2, 6))
+    metrics = metric_values(router)
+    assert metrics[f'strata:router_failovers_total{{replica="{victim}"}}'] == 1
+    assert metrics[f'strata:router_requests_total{{replica="{survivor}"}}'] >= 5
+    assert metrics[f'strata:router_replica_healthy{{replica="{survivor}"}}'] == 1
+
+
+def metric_values(router) -> dict[str, float]:
+    text = urllib.request.urlopen(router.metrics_url, timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}

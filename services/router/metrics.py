@@ -1,0 +1,27 @@
+"""The router's Prometheus metrics (``strata:router_*``, label ``replica`` = the replica's id or
+address), served by prometheus-client's own HTTP server on ``--metrics-port``."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.routed = Counter("strata:router_requests", "Requests sent to each replica (retries included).",
+                              ["replica"], registry=self.registry)
+        self.failovers = Counter("strata:router_failovers", "Requests moved to another replica after one "
+                                 "failed before the first token.", ["replica"], registry=self.registry)
+        self.healthy = Gauge("strata:router_replica_healthy", "1 while the replica is serving, else 0.",
+                             ["replica"], registry=self.registry)
+        self.in_flight = Gauge("strata:router_requests_in_flight", "This router's requests running on the replica.",
+                               ["replica"], registry=self.registry)
+        self.index_blocks = Gauge("strata:router_prefix_index_blocks", "Blocks the prefix index holds for the "
+                                  "replica (from its KV events).", ["replica"], registry=self.registry)
+        self.overlap = Histogram("strata:router_prefix_overlap_ratio", "Fraction of a prompt's full blocks the "
+                                 "chosen replica already held, per routed request.",
+                                 buckets=_FRACTION_BUCKETS, registry=self.registry)
+
+    def start_http_server(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
