@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from services.bench.checkpoints import SHAPES, write_random_llama
+from services.launcher import Stack, StackConfig, find_free_port  # first: it turns gRPC's fork handlers off
 
 POLICIES = ("cache-aware", "round-robin")
 
@@ -65,7 +66,6 @@ def run_policy(args, model_dir: str, policy: str, prompts: list[list[int]]) -> d
     import grpc
 
     from services.common.pb import engine_pb2, engine_pb2_grpc
-    from services.launcher import Stack, StackConfig, find_free_port
 
     with tempfile.TemporaryDirectory() as logs:
         config = StackConfig(model=model_dir, port=find_free_port(), served_model_name="bench", replicas=args.replicas,
