@@ -11,7 +11,7 @@ from services.common.telemetry import setup_tracing
 from services.router.server import POLICIES, serve
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata router", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50060, help="port, 0 for any free one (default: %(default)s)")
@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas a request may try when they fail before its first token (default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     addresses = [a.strip() for a in args.engine_addrs.split(",") if a.strip()]
     if not addresses and not args.nats_url:

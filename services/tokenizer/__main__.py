@@ -11,12 +11,16 @@ from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from services.tokenizer.server import serve
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata tokenizer", description="Run the tokenizer gRPC service.")
     parser.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in default model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="port, 0 for any free one (default: %(default)s)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("strata-tokenizer")
     tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())

@@ -1,6 +1,8 @@
 """`strata up` machinery: a service that dies during startup is named with the tail of its log,
 and nothing is left running."""
 
+import subprocess
+import sys
 import time
 
 import grpc
@@ -57,3 +59,10 @@ def test_replicas_behind_a_router(default_model_dir, tmp_path):
                 response = client.completions.create(model=stack.model_name, prompt=f"request {i}", max_tokens=3)
                 assert response.usage.completion_tokens == 3
     assert all(service.exit_code is not None for service in stack.services)
+
+
+def test_the_container_health_probe(stack):
+    probe = [sys.executable, "-m", "services.common.health_probe"]
+    assert subprocess.run([*probe, stack.tokenizer_addr], timeout=30).returncode == 0
+    assert subprocess.run([*probe, stack.engine_addr], timeout=30).returncode == 0
+    assert subprocess.run([*probe, f"127.0.0.1:{find_free_port()}"], timeout=30).returncode == 1
