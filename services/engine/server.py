@@ -8,6 +8,7 @@ a shutdown began; then new requests get UNAVAILABLE while in-flight ones finish 
 import asyncio
 import logging
 import signal
+import socket
 import threading
 import uuid
 
@@ -123,6 +124,11 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     grpc_thread.join()
 
 
+def _reachable_address(host: str, port: int) -> str:
+    """Where others can reach this server: a wildcard listen address names this host instead."""
+    return f"{socket.getfqdn() if host in ('', '0.0.0.0', '::') else host}:{port}"
+
+
 class _EventPublishing:
     """The KV-event buffer the block pool fills, and the NATS publisher its batches and the load
     reports go out through."""
@@ -168,7 +174,7 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
                  core.num_kv_blocks, config.block_size, core.max_model_len)
         if events is not None:
             reports = asyncio.create_task(report_load(
-                events.publisher, config.replica_id, f"{host}:{bound}", config.max_num_seqs,
+                events.publisher, config.replica_id, _reachable_address(host, bound), config.max_num_seqs,
                 lambda: servicer.engine.stats, events.load_report_interval_s))
         await stop_requested.wait()
     log.info("shutting down: no new requests; waiting up to %.0fs for in-flight ones", shutdown_timeout_s)

@@ -77,7 +77,7 @@ class ReplicaSet:
 
     def apply_report(self, report: events_pb2.LoadReport) -> None:
         replica = self.by_replica_id(report.replica_id)
-        if replica is None and report.address:
+        if replica is None and report.address and not report.address.startswith(("0.0.0.0:", "[::]:", ":")):
             replica = self.add(report.address)  # it is checked before it is used
         if replica is not None:
             replica.num_waiting = report.num_waiting

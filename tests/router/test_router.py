@@ -18,13 +18,15 @@ from tests.nats_server import NatsServer
 
 
 class RouterProcess:
-    def __init__(self, port: int, engine_addrs: list[str], nats_url: str, log_path, metrics_port: int) -> None:
+    def __init__(self, port: int, engine_addrs: list[str], nats_url: str, log_path, metrics_port: int,
+                 check_interval_s: float = 60) -> None:
         self.log_path = log_path
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.router", "--port", str(port), "--engine-addrs", ",".join(engine_addrs),
-                 "--nats-url", nats_url, "--health-check-interval", "60", "--metrics-port", str(metrics_port)],
+                 "--nats-url", nats_url, "--health-check-interval", str(check_interval_s),
+                 "--metrics-port", str(metrics_port)],
                 stdout=log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
@@ -68,6 +70,7 @@ def fleet(default_model_dir, tmp_path_factory, free_port_factory):
     while router.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5).num_kv_blocks < 512:
         assert time.monotonic() < deadline, router.log_path.read_text()
         time.sleep(0.1)
+    router.nats_url = nats.url
     yield router, engines
     router.close()
     for engine in engines.values():
@@ -99,6 +102,21 @@ def test_a_cached_prefix_pulls_its_requests_to_its_replica(fleet):
     # Distinct prompts have no cache anywhere: equal cost, so they alternate.
     replicas = {served_by(router, f"d{i}", [300 + 17 * i + j for j in range(40)]) for i in range(6)}
     assert replicas == {"e0", "e1"}
+
+
+def test_a_router_without_addresses_finds_the_engines_by_their_load_reports(fleet, tmp_path, free_port_factory):
+    router, _ = fleet
+    finder = RouterProcess(free_port_factory(), [], router.nats_url, tmp_path / "finder.log", free_port_factory(),
+                           check_interval_s=0.2)
+    try:
+        finder.wait_serving()
+        deadline = time.monotonic() + 20
+        while finder.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5).num_kv_blocks < 512:
+            assert time.monotonic() < deadline, finder.log_path.read_text()
+            time.sleep(0.1)
+        assert served_by(finder, "found", [11, 12, 13]) in {"e0", "e1"}
+    finally:
+        finder.close()
 
 
 def test_an_engines_refusal_passes_through(fleet):
