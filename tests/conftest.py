@@ -7,6 +7,9 @@ import socket
 # gRPC's fork handlers would then run in the child between fork and exec and can abort it; nothing
 # here forks without exec, so they are turned off before grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# Without a GPU, Triton kernels run in Triton's interpreter (read when triton is first imported).
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -37,7 +37,7 @@ class ModelRunner:
         self.max_model_len = mc.resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
         self.attention = get_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                               mc.head_dim, self.dtype)
+                                               mc.head_dim, self.dtype, self.device, config.block_size)
         self.model = load_model(config.model, mc, self.attention, self.max_model_len, self.dtype, self.device)
         self.num_kv_blocks = self._decide_num_kv_blocks()
         pool_shape = (self.num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
