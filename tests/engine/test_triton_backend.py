@@ -1,6 +1,7 @@
 """The engine with the Triton attention backend (kernels in Triton's interpreter on the CPU) gives
 HF transformers' greedy tokens, as the torch backend does: decodes through the paged-decode kernel,
-KV writes through the store kernel, with GQA, a sliding window and a prefix served from the cache."""
+KV writes through the store kernel, RMSNorm, SiLU-and-mul and rotary through theirs, with GQA, a
+sliding window and a prefix served from the cache."""
 
 import pytest
 import torch
@@ -31,6 +32,8 @@ def test_greedy_matches_hf_with_the_triton_backend(tmp_path, arch, overrides):
     prompts = [shared + [5, 6, 7], list(range(100, 109)), [3, 4], shared + [9]]
     llm = LLM(EngineConfig(model=str(path), attention_backend="triton", block_size=16, num_kv_blocks=64))
     assert type(llm.core.model_runner.attention).__name__ == "TritonAttentionBackend"
+    layer = llm.core.model_runner.model.model.layers[0]
+    assert layer.mlp.use_kernel and layer.input_layernorm.use_kernel
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     expected = hf_greedy(path, prompts)
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected

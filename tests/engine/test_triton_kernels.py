@@ -64,3 +64,48 @@ def test_kv_store_writes_strided_rows_at_their_slots(dtype):
     kv_store(k, v, caches[0], caches[1], slots)
     kv_store_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    from services.engine.kernels.rms_norm import rms_norm, rms_norm_reference
+
+    torch.manual_seed(2)
+    x, weight = torch.randn(5, 48).to(dtype), torch.randn(48).to(dtype)
+    residual = torch.randn(5, 48).to(dtype) if with_residual else None
+    residual_copy = residual.clone() if with_residual else None
+    out = rms_norm(x, weight, 1e-6, residual)
+    expected = rms_norm_reference(x, weight, 1e-6, residual_copy)
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    if with_residual:
+        torch.testing.assert_close(residual, residual_copy, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_reference(dtype):
+    from services.engine.kernels.activation import silu_mul, silu_mul_reference
+
+    torch.manual_seed(3)
+    gate_up = torch.randn(4, 2 * 1100).to(dtype)  # an intermediate size over one 1024-wide program
+    torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up), rtol=TOLERANCE[dtype],
+                               atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_the_models_rotation(dtype):
+    from services.engine.kernels.rotary import rotary_
+    from services.engine.models.config import RopeConfig
+    from services.engine.models.rope import RotaryEmbedding, apply_rotary_
+
+    torch.manual_seed(4)
+    heads, kv_heads, head_dim = 4, 2, 24
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64, torch.float32, torch.device("cpu"))
+    cos, sin = rope.tables(torch.tensor([0, 3, 17, 63, 5]))
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    qkv = torch.randn(5, heads + 2 * kv_heads, head_dim).to(dtype)
+    qk = qkv[:, :heads + kv_heads]  # the strided view the model rotates
+    expected = qk.clone()
+    apply_rotary_(expected, cos, sin)
+    rotary_(qk, cos, sin)
+    torch.testing.assert_close(qk, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])

@@ -40,6 +40,9 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Paged attention over per-layer K/V pools ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
 
+    # Whether the model should also run its norms, activation and rotary embedding as Triton kernels
+    use_triton_kernels = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")

@@ -1,5 +1,6 @@
 """The GPU attention backend: KV writes through the ``kv_store`` kernel and decode through the
-``paged_decode`` kernel (no copy of the cache, GQA groups read each K/V row once, sliding windows
+``paged_decode`` kernel (and, through ``use_triton_kernels``, the model's RMSNorm, SiLU-and-mul and
+rotary embedding as kernels) (no copy of the cache, GQA groups read each K/V row once, sliding windows
 skip whole blocks). Prefill, with or without a cached prefix, still runs the torch backend's
 ``scaled_dot_product_attention`` paths; a paged prefill kernel is the next step.
 
@@ -15,6 +16,7 @@ from services.engine.kernels.paged_decode import paged_decode
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
+    use_triton_kernels = True  # the model's RMSNorm, SiLU-and-mul and rotary run as kernels too
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: TorchAttentionMetadata, sliding_window: int | None = None
                 ) -> torch.Tensor:

@@ -13,15 +13,22 @@ def empty_linear(in_features: int, out_features: int, bias: bool, dtype: torch.d
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 use_kernel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
         self.eps = eps
+        self.use_kernel = use_kernel  # the Triton kernel (services/engine/kernels/rms_norm.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``, the sum
         accumulated in place into ``residual``."""
+        if self.use_kernel:
+            from services.engine.kernels.rms_norm import rms_norm
+
+            out = rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual.add_(x)
@@ -38,13 +45,18 @@ class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, use_kernel: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.use_kernel = use_kernel  # the Triton silu_mul (services/engine/kernels/activation.py)
         self.gate_up_proj = empty_linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
         self.down_proj = empty_linear(intermediate_size, hidden_size, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        if self.use_kernel:
+            from services.engine.kernels.activation import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each, strided
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # [T, H]

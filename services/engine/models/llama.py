@@ -35,7 +35,12 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, heads + 2 * kv_heads, D]
         qk = qkv[:, :self.num_heads + self.num_kv_heads]
-        apply_rotary_(qk, *rope)
+        if self.attention.use_triton_kernels:
+            from services.engine.kernels.rotary import rotary_
+
+            rotary_(qk, *rope)
+        else:
+            apply_rotary_(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # q: [T, heads, D], k: [T, kv_heads, D]
         v = qkv[:, self.num_heads + self.num_kv_heads:]  # [T, kv_heads, D]
         out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata,
@@ -48,9 +53,10 @@ class LlamaDecoderLayer(nn.Module):
                  device: torch.device) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_index, attention, dtype, device)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        kernels = attention.use_triton_kernels
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, kernels)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +77,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attention, dtype, device)
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, attention.use_triton_kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata) -> torch.Tensor:
