@@ -1,7 +1,8 @@
 """The engine with the Triton attention backend (kernels in Triton's interpreter on the CPU) gives
 HF transformers' greedy tokens, as the torch backend does: decodes through the paged-decode kernel,
-KV writes through the store kernel, RMSNorm, SiLU-and-mul and rotary through theirs, with GQA, a
-sliding window and a prefix served from the cache."""
+prefill chunks through the paged-prefill kernel, KV writes through the store kernel, RMSNorm,
+SiLU-and-mul and rotary through theirs; with GQA, a sliding window, chunked prefill and prefixes
+served from the cache."""
 
 import pytest
 import torch
@@ -25,12 +26,17 @@ def hf_greedy(path, prompts):
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
-@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("mistral", {"num_key_value_heads": 1, "sliding_window": 20})])
-def test_greedy_matches_hf_with_the_triton_backend(tmp_path, arch, overrides):
+@pytest.mark.parametrize("arch, overrides, block_size, chunk", [
+    ("llama", {}, 16, 2048),
+    ("mistral", {"num_key_value_heads": 1, "sliding_window": 20}, 16, 24),  # chunked prefill over the cache
+    ("llama", {}, 8, 2048),  # blocks too small for the prefill kernel: SDPA prefill, kernel decode
+])
+def test_greedy_matches_hf_with_the_triton_backend(tmp_path, arch, overrides, block_size, chunk):
     path = write_checkpoint(tmp_path, arch, **overrides)
     shared = list(range(40, 72))  # two full blocks: the second pass serves them from the prefix cache
     prompts = [shared + [5, 6, 7], list(range(100, 109)), [3, 4], shared + [9]]
-    llm = LLM(EngineConfig(model=str(path), attention_backend="triton", block_size=16, num_kv_blocks=64))
+    llm = LLM(EngineConfig(model=str(path), attention_backend="triton", block_size=block_size,
+                           num_kv_blocks=128, max_num_batched_tokens=chunk))
     assert type(llm.core.model_runner.attention).__name__ == "TritonAttentionBackend"
     layer = llm.core.model_runner.model.model.layers[0]
     assert layer.mlp.use_kernel and layer.input_layernorm.use_kernel

@@ -109,3 +109,28 @@ def test_rotary_matches_the_models_rotation(dtype):
     apply_rotary_(expected, cos, sin)
     rotary_(qk, cos, sin)
     torch.testing.assert_close(qk, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 3, 24)])
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_paged_prefill_matches_reference(dtype, heads, kv_heads, head_dim, window):
+    """Chunks with and without a cached prefix, shorter and longer than a query tile, one row long."""
+    from services.engine.kernels.paged_prefill import paged_prefill
+
+    chunks = [(0, 5), (20, 19), (16, 1), (3, 40)]  # (cached tokens, new rows)
+    seq_lens = [c + n for c, n in chunks]
+    _, k_cache, v_cache, tables, _ = scattered_pools(heads, kv_heads, head_dim, 16, seq_lens, dtype, seed=5)
+    starts = torch.tensor([0] + list(torch.tensor([n for _, n in chunks]).cumsum(0)))
+    q = torch.randn(int(starts[-1]), heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_prefill(q, k_cache, v_cache, tables, starts, torch.tensor([c for c, _ in chunks]), 0, len(chunks),
+                  max(n for _, n in chunks), scale, out, window)
+    for i, (cached, new) in enumerate(chunks):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        for j in range(new):  # each row is a decode of its own position
+            pos = cached + j
+            expected = paged_decode_reference(q[rows][j:j + 1], k_cache, v_cache, tables[i:i + 1],
+                                              torch.tensor([pos + 1]), scale, window)
+            torch.testing.assert_close(out[rows][j:j + 1], expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
