@@ -16,6 +16,7 @@ from tests.engine.checkpoints import write_checkpoint
 
 pytest.importorskip("triton")
 NEW_TOKENS = 12
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run interpreted
 
 
 def hf_greedy(path, prompts):
@@ -36,7 +37,7 @@ def test_greedy_matches_hf_with_the_triton_backend(tmp_path, arch, overrides, bl
     shared = list(range(40, 72))  # two full blocks: the second pass serves them from the prefix cache
     prompts = [shared + [5, 6, 7], list(range(100, 109)), [3, 4], shared + [9]]
     llm = LLM(EngineConfig(model=str(path), attention_backend="triton", block_size=block_size,
-                           num_kv_blocks=128, max_num_batched_tokens=chunk))
+                           num_kv_blocks=128, max_num_batched_tokens=chunk, device=DEVICE))
     assert type(llm.core.model_runner.attention).__name__ == "TritonAttentionBackend"
     layer = llm.core.model_runner.model.model.layers[0]
     assert layer.mlp.use_kernel and layer.input_layernorm.use_kernel
@@ -49,6 +50,7 @@ def test_greedy_matches_hf_with_the_triton_backend(tmp_path, arch, overrides, bl
 def test_backend_choice():
     args = (4, 2, 16, torch.float32)
     assert type(get_attention_backend("auto", *args)).__name__ == "TorchAttentionBackend"  # the CPU
+    assert type(get_attention_backend("auto", *args, device=torch.device("cuda"))).__name__ == "TritonAttentionBackend"
     assert type(get_attention_backend("triton", *args)).__name__ == "TritonAttentionBackend"  # interpreted here
     with pytest.raises(ValueError, match="power-of-two"):
         get_attention_backend("triton", *args, block_size=12)

@@ -1,5 +1,5 @@
-"""The Triton kernels against their torch references, on the CPU under TRITON_INTERPRET=1 (set in
-tests/conftest.py when there is no GPU): paged decode over scattered blocks with GQA groups of 1-4,
+"""The Triton kernels against their torch references: compiled on a GPU when there is one, else on
+the CPU under TRITON_INTERPRET=1 (set in tests/conftest.py): paged decode over scattered blocks with GQA groups of 1-4,
 a head size that is not a power of two, partial last blocks and sliding windows; and the KV store
 from the strided K/V views the model hands it."""
 
@@ -11,8 +11,10 @@ triton = pytest.importorskip("triton")
 from services.engine.kernels.kv_store import kv_store, kv_store_reference  # noqa: E402
 from services.engine.kernels.paged_decode import paged_decode, paged_decode_reference  # noqa: E402
 
-DTYPES = [torch.float32, torch.float16]  # the interpreter computes in numpy, which has no bfloat16
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter computes in numpy, which has no bfloat16
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def scattered_pools(num_heads, num_kv_heads, head_dim, block_size, seq_lens, dtype, seed=0):
@@ -28,7 +30,7 @@ def scattered_pools(num_heads, num_kv_heads, head_dim, block_size, seq_lens, dty
         tables[i, :count] = order[used:used + count]
         used += count
     q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
-    return q, k_cache, v_cache, tables, torch.tensor(seq_lens)
+    return (t.to(DEVICE) for t in (q, k_cache, v_cache, tables, torch.tensor(seq_lens)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -45,7 +47,7 @@ def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, window
 def test_paged_decode_reference_is_attention():
     """The reference itself, against SDPA on the gathered context."""
     q, k_cache, v_cache, tables, seq_lens = scattered_pools(4, 2, 16, 4, [11], torch.float32)
-    pos = torch.arange(11)
+    pos = torch.arange(11, device=DEVICE)
     k = k_cache[tables[0, pos // 4], pos % 4].transpose(0, 1)  # [kv_heads, S, D]
     v = v_cache[tables[0, pos // 4], pos % 4].transpose(0, 1)
     expected = torch.nn.functional.scaled_dot_product_attention(q[0].unsqueeze(1), k, v, enable_gqa=True)
@@ -57,10 +59,10 @@ def test_paged_decode_reference_is_attention():
 def test_kv_store_writes_strided_rows_at_their_slots(dtype):
     torch.manual_seed(1)
     heads, kv_heads, head_dim, tokens = 4, 2, 12, 9
-    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype)  # the model's fused projection
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype).to(DEVICE)  # the model's fused projection
     k, v = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-    slots = torch.randperm(6 * 8)[:tokens]
-    caches = [torch.zeros(6, 8, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    slots = torch.randperm(6 * 8)[:tokens].to(DEVICE)
+    caches = [torch.zeros(6, 8, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)]
     kv_store(k, v, caches[0], caches[1], slots)
     kv_store_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -72,8 +74,8 @@ def test_rms_norm_matches_reference(dtype, with_residual):
     from services.engine.kernels.rms_norm import rms_norm, rms_norm_reference
 
     torch.manual_seed(2)
-    x, weight = torch.randn(5, 48).to(dtype), torch.randn(48).to(dtype)
-    residual = torch.randn(5, 48).to(dtype) if with_residual else None
+    x, weight = torch.randn(5, 48).to(dtype).to(DEVICE), torch.randn(48).to(dtype).to(DEVICE)
+    residual = torch.randn(5, 48).to(dtype).to(DEVICE) if with_residual else None
     residual_copy = residual.clone() if with_residual else None
     out = rms_norm(x, weight, 1e-6, residual)
     expected = rms_norm_reference(x, weight, 1e-6, residual_copy)
@@ -87,7 +89,7 @@ def test_silu_mul_matches_reference(dtype):
     from services.engine.kernels.activation import silu_mul, silu_mul_reference
 
     torch.manual_seed(3)
-    gate_up = torch.randn(4, 2 * 1100).to(dtype)  # an intermediate size over one 1024-wide program
+    gate_up = torch.randn(4, 2 * 1100).to(dtype).to(DEVICE)  # an intermediate size over one 1024-wide program
     torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up), rtol=TOLERANCE[dtype],
                                atol=TOLERANCE[dtype])
 
@@ -100,10 +102,10 @@ def test_rotary_matches_the_models_rotation(dtype):
 
     torch.manual_seed(4)
     heads, kv_heads, head_dim = 4, 2, 24
-    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64, torch.float32, torch.device("cpu"))
-    cos, sin = rope.tables(torch.tensor([0, 3, 17, 63, 5]))
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64, torch.float32, torch.device(DEVICE))
+    cos, sin = rope.tables(torch.tensor([0, 3, 17, 63, 5], device=DEVICE))
     cos, sin = cos.to(dtype), sin.to(dtype)
-    qkv = torch.randn(5, heads + 2 * kv_heads, head_dim).to(dtype)
+    qkv = torch.randn(5, heads + 2 * kv_heads, head_dim).to(dtype).to(DEVICE)
     qk = qkv[:, :heads + kv_heads]  # the strided view the model rotates
     expected = qk.clone()
     apply_rotary_(expected, cos, sin)
@@ -121,16 +123,16 @@ def test_paged_prefill_matches_reference(dtype, heads, kv_heads, head_dim, windo
     chunks = [(0, 5), (20, 19), (16, 1), (3, 40)]  # (cached tokens, new rows)
     seq_lens = [c + n for c, n in chunks]
     _, k_cache, v_cache, tables, _ = scattered_pools(heads, kv_heads, head_dim, 16, seq_lens, dtype, seed=5)
-    starts = torch.tensor([0] + list(torch.tensor([n for _, n in chunks]).cumsum(0)))
-    q = torch.randn(int(starts[-1]), heads, head_dim).to(dtype)
+    starts = torch.tensor([0] + list(torch.tensor([n for _, n in chunks]).cumsum(0))).to(DEVICE)
+    q = torch.randn(int(starts[-1]), heads, head_dim).to(dtype).to(DEVICE)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_prefill(q, k_cache, v_cache, tables, starts, torch.tensor([c for c, _ in chunks]), 0, len(chunks),
+    paged_prefill(q, k_cache, v_cache, tables, starts, torch.tensor([c for c, _ in chunks], device=DEVICE), 0, len(chunks),
                   max(n for _, n in chunks), scale, out, window)
     for i, (cached, new) in enumerate(chunks):
         rows = slice(int(starts[i]), int(starts[i + 1]))
         for j in range(new):  # each row is a decode of its own position
             pos = cached + j
             expected = paged_decode_reference(q[rows][j:j + 1], k_cache, v_cache, tables[i:i + 1],
-                                              torch.tensor([pos + 1]), scale, window)
+                                              torch.tensor([pos + 1], device=DEVICE), scale, window)
             torch.testing.assert_close(out[rows][j:j + 1], expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
