@@ -1,5 +1,5 @@
 """Attention backends: ``torch`` (the CPU path, and the reference) and ``triton`` (GPU kernels for
-the KV store and paged decode; prefill through torch's SDPA for now)."""
+the KV store, paged decode and paged prefill)."""
 
 import importlib.util
 import os
