@@ -28,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -150,6 +151,7 @@ class Stack:
         self.tokenizer_addr = ""
         self.engine_addr = ""
         self.model_name = ""
+        self._checks: dict[str, Callable[[], bool]] = {}  # per service: is it healthy yet
 
     @property
     def base_url(self) -> str:
@@ -176,7 +178,7 @@ class Stack:
         self.tokenizer_addr = f"127.0.0.1:{tokenizer_port}"
         commands = {"tokenizer": [*python, "services.tokenizer", "--model", model_dir,
                                   "--host", "127.0.0.1", "--port", str(tokenizer_port)]}
-        self._checks = {"tokenizer": lambda: _grpc_serving(self.tokenizer_addr)}
+        self._checks["tokenizer"] = lambda: _grpc_serving(self.tokenizer_addr)
         engine = [*python, "services.engine", "--model", model_dir, "--host", "127.0.0.1",
                   "--served-model-name", self.model_name, *config.engine_args]
         if config.replicas == 1:
@@ -283,16 +285,9 @@ def _tcp_open(host: str, port: int) -> bool:
 
 
 def _grpc_serving(addr: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from services.common.health_probe import serving  # imports grpc: only once the children are spawned
 
-    with grpc.insecure_channel(addr) as channel:
-        try:
-            response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return response.status == health_pb2.HealthCheckResponse.SERVING
+    return serving(addr, timeout_s=1.0)
 
 
 def _http_ok(url: str) -> bool:

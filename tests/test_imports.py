@@ -1,0 +1,26 @@
+"""Only engines need torch (DESIGN.md): the tokenizer (with the default-model builder), the router and
+the gateway must not pull in torch or transformers."""
+
+import subprocess
+import sys
+
+import pytest
+
+SERVICE_MODULES = {
+    "tokenizer": ["services.tokenizer", "services.tokenizer.__main__", "services.tokenizer.server",
+                  "services.common.default_model", "services.common.model_cli", "services.common.grpc_server"],
+    "router": ["services.router.__main__", "services.router.server", "services.common.telemetry"],
+    "gateway": ["services.gateway.__main__", "services.gateway.app"],
+}
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_MODULES))
+def test_service_imports_neither_torch_nor_transformers(service):
+    code = (
+        "import sys\n"
+        + "".join(f"import {module}\n" for module in SERVICE_MODULES[service])
+        + "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
