@@ -24,6 +24,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "torch", "triton", or "auto" (triton on CUDA, torch on CPU)
     replica_id: str = "engine-0"
     seed: int = 0  # seeds the engine's random generator for requests without a seed
+    enforce_eager: bool = False  # run the model op by op: no compiled decode graphs (as vLLM's flag)
+    num_threads: int | None = None  # CPU threads of the model's kernels; None: the cores this process may use
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -34,5 +36,7 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")

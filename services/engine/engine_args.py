@@ -28,6 +28,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-logprobs", type=int, default=20, help="most logprobs per token (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests without their own (default: %(default)s)")
     parser.add_argument("--replica-id", default="engine-0", help="this replica's id in events and responses")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run the model op by op, without compiled decode graphs (default: compiled where possible)")
+    parser.add_argument("--num-threads", type=int,
+                        help="CPU threads for the model's kernels (default: the cores this process may use)")
 
 
 def model_dir_from_args(args: argparse.Namespace) -> str:
@@ -49,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
             prefix_cache_hash_seed=args.prefix_cache_hash_seed, max_logprobs=args.max_logprobs,
             attention_backend=args.attention_backend, replica_id=args.replica_id, seed=args.seed,
+            enforce_eager=args.enforce_eager, num_threads=args.num_threads,
         )
     except ValueError as exc:
         raise SystemExit(f"strata: {exc}")
