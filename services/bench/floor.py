@@ -71,10 +71,12 @@ def measure_read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> floa
     return best
 
 
-def run_floor(mc: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], output_lens: list[int]) -> dict[str, float]:
-    """The floor as a run of the offline table: the workload's output tokens over the floor time."""
+def run_floor(mc: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], output_lens: list[int],
+              bytes_per_s: float) -> dict[str, float]:
+    """The floor as a run of the offline table: the workload's output tokens over the floor time, with
+    reads at `bytes_per_s` (`measure_read_bandwidth`, measured once per run by the caller)."""
     cost = workload_cost(mc, torch.empty(0, dtype=dtype).element_size(), [len(p) for p in prompts], output_lens)
-    flops_per_s, bytes_per_s = measure_gemm_flops(mc, dtype), measure_read_bandwidth()
+    flops_per_s = measure_gemm_flops(mc, dtype)
     seconds = cost.flops / flops_per_s + cost.kv_bytes / bytes_per_s
     return {"duration_s": seconds, "completed": len(prompts), "total_output_tokens": sum(output_lens),
             "output_throughput": sum(output_lens) / seconds, "tflops": cost.flops / 1e12,

@@ -10,6 +10,8 @@ lengths uniform in `--output-len` (lo,hi), random token ids, every request runs 
              longest output is done; only the tokens each request asked for count;
   floor      not a run: this machine's floor for the workload (`services/bench/floor.py`), the
              work no engine can skip at rates measured in this run; strata's ratio to it is < 1.
+Then, per `--step-dtypes`, the batch-1 decode step beside its linear-only and bandwidth floors
+(`services/bench/decode_floors.py`), at a `--step-context`-token context.
 The checkpoint is `--model DIR`, or a random-weight Llama of a shape from `SHAPES` (`--shape`),
 written to a temporary directory.
 """
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 from services.bench.checkpoints import SHAPES, write_random_llama
+from services.bench.decode_floors import format_decode_floors, run_decode_floors
+from services.bench.floor import measure_read_bandwidth, run_floor
 
 BASELINES = ("hf-batch1", "hf-static", "floor")
 
@@ -39,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baselines", default=",".join(BASELINES), help="comma list of %s, or none" % ", ".join(BASELINES))
     parser.add_argument("--hf-batch1-prompts", type=int, default=6, help="requests the batch-1 baseline runs")
     parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--step-dtypes", default="float32,bfloat16",
+                        help="batch-1 decode step section: comma list of dtypes, or none (default: %(default)s)")
+    parser.add_argument("--step-context", type=int, default=256, help="context of the batch-1 steps (tokens)")
+    parser.add_argument("--step-repeats", type=int, default=50, help="steps (and linear-floor passes) per median")
     parser.add_argument("--save-result", action="store_true", help="write the JSON result file")
     parser.add_argument("--result-dir", default="results")
     parser.add_argument("--result-filename", default=None)
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(baselines) - set(BASELINES)
     if unknown:
         raise SystemExit(f"strata bench offline: unknown baseline(s) {sorted(unknown)}")
+    step_dtypes = [] if args.step_dtypes == "none" else args.step_dtypes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model:
             print(f"writing a random-weight '{args.shape}' Llama checkpoint ...", file=sys.stderr)
@@ -152,16 +161,21 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(RunResult("hf-static", params={"batch_size": len(prompts)},
                                       metrics=run_hf_static(model, prompts, output_lens)))
                 _print_progress(runs[-1])
+        read_bytes_per_s = measure_read_bandwidth() if "floor" in baselines or step_dtypes else 0.0
         if "floor" in baselines:
-            from services.bench.floor import run_floor
-
             runs.append(RunResult("floor", params={}, metrics=run_floor(
-                model_config, model_config.resolve_dtype(config.dtype), prompts, output_lens)))
+                model_config, model_config.resolve_dtype(config.dtype), prompts, output_lens, read_bytes_per_s)))
+        step_rows = run_decode_floors(config, step_dtypes, args.step_context, args.step_repeats, read_bytes_per_s)
     print(format_table(runs))
     floor = next((run.metrics for run in runs if run.label == "floor"), None)
     if floor:
         print(f"floor: {floor['tflops']:.2f} TFLOP at {floor['gemm_gflops_per_s']:.0f} GFLOP/s (best GEMM here) + "
               f"{floor['kv_read_gb']:.1f} GB of K/V reads at {floor['read_gb_per_s']:.1f} GB/s")
+    if step_rows:
+        print(format_decode_floors(step_rows))
+    # after the table, which lists the workload's runs only; `compare` pairs these by label too
+    runs += [RunResult(f"decode-step-{row['dtype']}", params={"batch_size": 1, "context": row["context"]},
+                       metrics={k: v for k, v in row.items() if k != "dtype"}) for row in step_rows]
     result = BenchResult("offline", config=vars(args), runs=runs)
     if args.save_result:
         name = args.result_filename or f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"

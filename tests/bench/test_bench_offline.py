@@ -1,11 +1,14 @@
 """`strata bench offline` end to end on a tiny shape: it runs the engine and both HF baselines on
-the same requests, works out this machine's floor for them, prints the table and writes a result
-that `strata bench compare` reads."""
+the same requests, works out this machine's floor for them, times the batch-1 decode step beside
+its floors in both dtypes, prints the tables and writes a result that `strata bench compare` reads."""
 
 import json
 
+import pytest
+
 from services.bench import compare, offline
 from services.bench.checkpoints import write_random_llama
+from services.bench.decode_floors import decode_step_bytes
 from services.bench.floor import workload_cost
 from services.engine.models.config import load_model_config
 from services.bench.results import load_result
@@ -14,16 +17,17 @@ from services.bench.results import load_result
 def test_offline_bench_runs_engine_and_baselines_and_writes_a_comparable_result(tmp_path, capsys):
     argv = ["--shape", "tiny", "--num-prompts", "4", "--input-len", "8,24", "--output-len", "4,8",
             "--hf-batch1-prompts", "2", "--save-result", "--result-dir", str(tmp_path),
-            "--result-filename", "offline.json"]
+            "--result-filename", "offline.json", "--step-context", "20", "--step-repeats", "2"]
     assert offline.main(argv) == 0
     table = capsys.readouterr().out
     assert "strata / run" in table and "hf-batch1" in table and "hf-static" in table
     assert "floor:" in table and "GB of K/V reads" in table
+    assert "Batch-1 decode step (context 20)" in table and "step/linear" in table
 
     result = load_result(tmp_path / "offline.json")
     assert result.kind == "offline"
     runs = {run.label: run.metrics for run in result.runs}
-    assert set(runs) == {"strata", "hf-batch1", "hf-static", "floor"}
+    assert set(runs) == {"strata", "hf-batch1", "hf-static", "floor", "decode-step-float32", "decode-step-bfloat16"}
     # the floor's work is the workload's, counted (its rates are measured, so not asserted)
     config = load_model_config(write_random_llama(tmp_path / "tiny", "tiny"))
     prompts, output_lens = offline.make_workload(4, (8, 24), (4, 8), config.vocab_size, 0)
@@ -33,6 +37,13 @@ def test_offline_bench_runs_engine_and_baselines_and_writes_a_comparable_result(
     assert runs["strata"]["total_output_tokens"] == runs["hf-static"]["total_output_tokens"]
     assert runs["strata"]["completed"] == 4 and runs["hf-batch1"]["completed"] == 2
     assert all(m["output_throughput"] > 0 for m in runs.values())
+    # the batch-1 steps read the bytes counted for them, at the bandwidth the floor measured
+    for dtype, element_size in (("float32", 4), ("bfloat16", 2)):
+        step = runs[f"decode-step-{dtype}"]
+        read = decode_step_bytes(config, element_size, 20)
+        assert (step["weight_mb"], step["kv_mb"]) == (read.weights / 1e6, read.kv / 1e6)
+        assert step["read_gb_per_s"] == runs["floor"]["read_gb_per_s"]
+        assert step["bandwidth_floor_ms"] == pytest.approx((read.weights + read.kv) / (step["read_gb_per_s"] * 1e9) * 1e3)
     assert json.loads((tmp_path / "offline.json").read_text())["schema"] == "strata.bench/1"
 
     assert compare.main([str(tmp_path / "offline.json"), str(tmp_path / "offline.json")]) == 0
