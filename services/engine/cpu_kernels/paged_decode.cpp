@@ -1,0 +1,317 @@
+// Paged decode attention on the CPU: one new query token per request, straight over the block pool.
+//
+// A work item is (request, kv_head, context chunk). It reads each K/V row of its chunk once for all the
+// query heads of its GQA group, keeps float32 accumulators with an online softmax over tiles of tokens,
+// and either writes the normalised output (a request in one chunk) or its partial (max, sum, acc) for a
+// merge pass (a long context split in several chunks, so both cores work even at batch 1).
+// Pools hold float32, bfloat16 or float16; the output is always float32 (the caller casts).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define STRATA_AVX512 1
+#endif
+
+namespace {
+
+enum Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+constexpr int64_t kTile = 32;          // tokens scored before one softmax rescale
+constexpr int64_t kMaxGroup = 16;      // query heads per kv head
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kItemsPerThread = 4;  // work items per thread the context split aims at
+
+struct Problem {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  float* out;  // [num_reqs, num_heads, head_dim], contiguous
+  int64_t num_reqs, num_heads, num_kv_heads, head_dim, block_size;
+  int64_t q_stride_req, q_stride_head, table_stride;
+  int64_t window;  // 0: whole context
+  float scale;
+};
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f;
+  const uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    const float magnitude = std::ldexp(float(mantissa), -24);
+    std::memcpy(&bits, &magnitude, 4);
+    bits |= sign;
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <int D>
+inline float to_float(const void* p, int64_t i);
+template <>
+inline float to_float<kFloat32>(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+template <>
+inline float to_float<kBFloat16>(const void* p, int64_t i) {
+  const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <>
+inline float to_float<kFloat16>(const void* p, int64_t i) { return half_to_float(static_cast<const uint16_t*>(p)[i]); }
+
+#ifdef STRATA_AVX512
+// 16 elements from p + i (only the lanes in mask) as float32.
+template <int Dt>
+inline __m512 load16(const void* p, int64_t i, __mmask16 mask) {
+  if constexpr (Dt == kFloat32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+  } else {
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
+    if constexpr (Dt == kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    } else {
+      return _mm512_cvtph_ps(raw);
+    }
+  }
+}
+
+// e^x for x <= 0 (scores minus their running max): 2^n * poly(r), r = x - n ln2 in [-ln2/2, ln2/2].
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 poly = _mm512_set1_ps(1.0f / 5040);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 720));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(poly, n);
+}
+#endif
+
+// Running softmax state of one work item: per query head of the group, the max score, the sum of
+// e^(score - max) and the unnormalised weighted sum of V rows.
+struct Partial {
+  float max[kMaxGroup];
+  float sum[kMaxGroup];
+  alignas(64) float acc[kMaxGroup * kMaxHeadDim];
+};
+
+// Attend the query heads of (req, kv_head) over context positions [lo, hi).
+template <int Dt>
+void attend_chunk(const Problem& p, int64_t req, int64_t kv_head, int64_t lo, int64_t hi, Partial& part) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t dim = p.head_dim;
+  const int64_t row_stride = p.num_kv_heads * dim;  // elements between consecutive tokens
+  const int64_t* table = p.block_tables + req * p.table_stride;
+
+  alignas(64) float q[kMaxGroup * kMaxHeadDim];  // scaled query rows of the group, float32
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t base = req * p.q_stride_req + (kv_head * group + g) * p.q_stride_head;
+    for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = to_float<Dt>(p.q, base + d) * p.scale;
+    part.max[g] = -INFINITY;
+    part.sum[g] = 0.0f;
+  }
+  std::fill(part.acc, part.acc + group * dim, 0.0f);
+
+  int64_t row[kTile];  // element offset of each tile token's row (K and V share it)
+  alignas(64) float score[kMaxGroup][kTile];
+  for (int64_t start = lo; start < hi; start += kTile) {
+    const int64_t count = std::min(kTile, hi - start);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t pos = start + t;
+      const int64_t slot = table[pos / p.block_size] * p.block_size + pos % p.block_size;
+      row[t] = slot * row_stride + kv_head * dim;
+    }
+    // score[g][t] = q_g . k_t
+    for (int64_t t = 0; t < count; ++t) {
+#ifdef STRATA_AVX512
+      __m512 dots[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) dots[g] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 mask = dim - d >= 16 ? __mmask16(0xffff) : __mmask16((1u << (dim - d)) - 1);
+        const __m512 k = load16<Dt>(p.k_cache, row[t] + d, mask);
+        for (int64_t g = 0; g < group; ++g)
+          dots[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, q + g * dim + d), k, dots[g]);
+      }
+      for (int64_t g = 0; g < group; ++g) score[g][t] = _mm512_reduce_add_ps(dots[g]);
+#else
+      for (int64_t g = 0; g < group; ++g) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) dot += q[g * dim + d] * to_float<Dt>(p.k_cache, row[t] + d);
+        score[g][t] = dot;
+      }
+#endif
+    }
+    // Online softmax: rescale what came before to the new max, turn scores into weights.
+    for (int64_t g = 0; g < group; ++g) {
+      float tile_max = score[g][0];
+      for (int64_t t = 1; t < count; ++t) tile_max = std::max(tile_max, score[g][t]);
+      const float new_max = std::max(part.max[g], tile_max);
+      const float rescale = std::exp(part.max[g] - new_max);
+      part.max[g] = new_max;
+      float tile_sum = 0.0f;
+#ifdef STRATA_AVX512
+      for (int64_t t = 0; t < count; t += 16) {
+        const __mmask16 mask = count - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - t)) - 1);
+        const __m512 s = _mm512_maskz_loadu_ps(mask, score[g] + t);
+        const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+        _mm512_mask_storeu_ps(score[g] + t, mask, w);
+        tile_sum += _mm512_reduce_add_ps(w);
+      }
+#else
+      for (int64_t t = 0; t < count; ++t) {
+        score[g][t] = std::exp(score[g][t] - new_max);
+        tile_sum += score[g][t];
+      }
+#endif
+      part.sum[g] = part.sum[g] * rescale + tile_sum;
+      if (rescale != 1.0f)
+        for (int64_t d = 0; d < dim; ++d) part.acc[g * dim + d] *= rescale;
+    }
+    // acc_g += sum_t w[g][t] * v_t
+    for (int64_t t = 0; t < count; ++t) {
+#ifdef STRATA_AVX512
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 mask = dim - d >= 16 ? __mmask16(0xffff) : __mmask16((1u << (dim - d)) - 1);
+        const __m512 v = load16<Dt>(p.v_cache, row[t] + d, mask);
+        for (int64_t g = 0; g < group; ++g) {
+          float* acc = part.acc + g * dim + d;
+          _mm512_mask_storeu_ps(acc, mask,
+                                _mm512_fmadd_ps(_mm512_set1_ps(score[g][t]), v, _mm512_maskz_loadu_ps(mask, acc)));
+        }
+      }
+#else
+      for (int64_t d = 0; d < dim; ++d) {
+        const float v = to_float<Dt>(p.v_cache, row[t] + d);
+        for (int64_t g = 0; g < group; ++g) part.acc[g * dim + d] += score[g][t] * v;
+      }
+#endif
+    }
+  }
+}
+
+void write_output(const Problem& p, int64_t req, int64_t kv_head, const Partial& part) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  for (int64_t g = 0; g < group; ++g) {
+    float* out = p.out + (req * p.num_heads + kv_head * group + g) * p.head_dim;
+    const float inverse = part.sum[g] > 0.0f ? 1.0f / part.sum[g] : 0.0f;
+    for (int64_t d = 0; d < p.head_dim; ++d) out[d] = part.acc[g * p.head_dim + d] * inverse;
+  }
+}
+
+// Fold the partials of one (request, kv_head)'s chunks into one.
+void merge(const Problem& p, const Partial* chunks, int64_t num_chunks, Partial& merged) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  for (int64_t g = 0; g < group; ++g) {
+    float max = -INFINITY;
+    for (int64_t c = 0; c < num_chunks; ++c) max = std::max(max, chunks[c].max[g]);
+    merged.max[g] = max;
+    merged.sum[g] = 0.0f;
+    float* acc = merged.acc + g * p.head_dim;
+    std::fill(acc, acc + p.head_dim, 0.0f);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const float weight = std::exp(chunks[c].max[g] - max);
+      merged.sum[g] += chunks[c].sum[g] * weight;
+      const float* part = chunks[c].acc + g * p.head_dim;
+      for (int64_t d = 0; d < p.head_dim; ++d) acc[d] += part[d] * weight;
+    }
+  }
+}
+
+template <int Dt>
+void run(const Problem& p, int64_t min_chunk_tokens) {
+  // Each request's visible span [first, seq_len), cut into chunks of chunk_tokens: short enough that
+  // every thread gets about kItemsPerThread items, never shorter than min_chunk_tokens.
+  std::vector<int64_t> first(p.num_reqs), chunk_start(p.num_reqs + 1, 0);
+  int64_t total_span = 0;
+  for (int64_t r = 0; r < p.num_reqs; ++r) {
+    first[r] = p.window > 0 ? std::max<int64_t>(0, p.seq_lens[r] - p.window) : 0;
+    total_span += p.seq_lens[r] - first[r];
+  }
+  const int64_t target_items = kItemsPerThread * omp_get_max_threads();
+  const int64_t chunk_tokens = std::max(min_chunk_tokens, (total_span * p.num_kv_heads + target_items - 1) / target_items);
+  for (int64_t r = 0; r < p.num_reqs; ++r) {
+    const int64_t span = p.seq_lens[r] - first[r];
+    chunk_start[r + 1] = chunk_start[r] + std::max<int64_t>(1, (span + chunk_tokens - 1) / chunk_tokens);
+  }
+  const int64_t num_chunks = chunk_start[p.num_reqs];
+  const int64_t num_items = num_chunks * p.num_kv_heads;
+  const bool split = num_chunks > p.num_reqs;
+  std::vector<Partial> partials(split ? num_items : 0);
+
+#pragma omp parallel
+  {
+    Partial local;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t chunk = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
+      const int64_t req = std::upper_bound(chunk_start.begin(), chunk_start.end(), chunk) - chunk_start.begin() - 1;
+      const int64_t lo = first[req] + (chunk - chunk_start[req]) * chunk_tokens;
+      const int64_t hi = std::min(p.seq_lens[req], lo + chunk_tokens);
+      const bool alone = chunk_start[req + 1] - chunk_start[req] == 1;
+      Partial& part = alone ? local : partials[kv_head * num_chunks + chunk];
+      attend_chunk<Dt>(p, req, kv_head, lo, hi, part);
+      if (alone) write_output(p, req, kv_head, part);
+    }
+    if (split) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < p.num_reqs * p.num_kv_heads; ++item) {
+        const int64_t req = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
+        const int64_t count = chunk_start[req + 1] - chunk_start[req];
+        if (count == 1) continue;
+        merge(p, &partials[kv_head * num_chunks + chunk_start[req]], count, local);
+        write_output(p, req, kv_head, local);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t strata_paged_decode_max_group() { return kMaxGroup; }
+int64_t strata_paged_decode_max_head_dim() { return kMaxHeadDim; }
+
+// q: [num_reqs, num_heads, head_dim] with strides (q_stride_req, q_stride_head, 1);
+// k_cache, v_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim] of q's dtype;
+// block_tables: [num_reqs, >= max blocks] int64 with row stride table_stride; seq_lens: [num_reqs] int64,
+// each >= 1 (the new token's K/V already stored); out: contiguous float32 [num_reqs, num_heads, head_dim].
+// window > 0: the query at position seq_len - 1 sees positions seq_len - window .. seq_len - 1.
+// min_chunk_tokens: the shortest context span a work item attends when long contexts are split so that
+// every thread has work (the chunks' partials are then merged).
+void strata_paged_decode(int32_t dtype, const void* q, const void* k_cache, const void* v_cache,
+                         const int64_t* block_tables, const int64_t* seq_lens, float* out, int64_t num_reqs,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         int64_t q_stride_req, int64_t q_stride_head, int64_t table_stride, int64_t window,
+                         float scale, int64_t min_chunk_tokens) {
+  const Problem p{q, k_cache, v_cache, block_tables, seq_lens, out, num_reqs, num_heads, num_kv_heads,
+                  head_dim, block_size, q_stride_req, q_stride_head, table_stride, window, scale};
+  switch (dtype) {
+    case kFloat32: run<kFloat32>(p, min_chunk_tokens); break;
+    case kBFloat16: run<kBFloat16>(p, min_chunk_tokens); break;
+    case kFloat16: run<kFloat16>(p, min_chunk_tokens); break;
+  }
+}
+
+}  // extern "C"
