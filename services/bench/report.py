@@ -160,3 +160,27 @@ def format_sweep(runs: list[RunResult]) -> str:
         cells = "".join(f"{_fmt(run.metrics[key]) if key in run.metrics else '-':>11}" for _, key in columns)
         lines.append(f"{run.label:<{width}}{cells}")
     return "\n".join(lines)
+
+
+SIDE_BY_SIDE = (("out tok/s", "output_throughput"), ("med TTFT ms", "median_ttft_ms"),
+                ("mean TPOT ms", "mean_tpot_ms"), ("failed", "failed"))
+
+
+def format_side_by_side(runs_a: list[RunResult], runs_b: list[RunResult], name_a: str, name_b: str) -> str:
+    """Two servers on the same sweep points: each figure for both, and the ratio A/B (throughput above
+    1 and latencies below 1 favour A)."""
+    width = max([len("run")] + [len(run.label) for run in runs_a])
+    figures = SIDE_BY_SIDE[:-1]
+    lines = [_title(f" {name_a} vs {name_b}, same requests; ratio = {name_a} / {name_b} "),
+             f"{'':<{width}}" + "".join(f"  {title:^34}" for title, _ in figures) + f"  {'failed':^13}",
+             f"{'run':<{width}}" + f"  {name_a[:10]:>10}  {name_b[:10]:>10}  {'ratio':>10}" * len(figures)
+             + f"  {name_a[:6]:>6} {name_b[:6]:>6}"]
+    for run_a, run_b in zip(runs_a, runs_b, strict=True):
+        cells = ""
+        for _, key in figures:
+            value_a, value_b = run_a.metrics[key], run_b.metrics[key]
+            ratio = f"{value_a / value_b:.2f}x" if value_b else "-"
+            cells += f"  {value_a:>10.2f}  {value_b:>10.2f}  {ratio:>10}"
+        failed = f"  {int(run_a.metrics['failed']):>6} {int(run_b.metrics['failed']):>6}"
+        lines.append(f"{run_a.label:<{width}}{cells}{failed}")
+    return "\n".join(lines)

@@ -3,6 +3,11 @@
 Sends traffic only to --base-url (proxy variables are ignored). Each sweep point (every
 --request-rate x --max-concurrency value) gets its own seed-derived workload, so prefix caching
 carries nothing from one point to the next.
+
+With --baseline-url, every sweep point runs twice, on --base-url and then on the baseline server,
+with the same requests (same seed), and a side-by-side table with the ratios ends the output;
+--save-result then also writes the baseline's result as `<name>-<baseline-name>.json`, which
+`strata bench compare` reads like any other.
 """
 
 import argparse
@@ -13,6 +18,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
     target.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     target.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    target.add_argument("--baseline-url", default=None,
+                        help="a second OpenAI-compatible server to run the same workload on, e.g. llama-server")
+    target.add_argument("--baseline-model", default=None, help="model name there (default: its first of /v1/models)")
+    target.add_argument("--baseline-name", default="baseline", help="the baseline's name in tables and file names")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     data = p.add_argument_group("workload")
@@ -105,8 +115,17 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
     return models[0]["id"]
 
 
-async def run(args: argparse.Namespace) -> BenchResult:
-    base_url = args.base_url.rstrip("/")
+@dataclass(frozen=True)
+class Target:
+    """A server under load: where its requests go and what they say."""
+
+    name: str
+    base_url: str
+    settings: RequestSettings
+
+
+async def run(args: argparse.Namespace) -> tuple[BenchResult, BenchResult | None]:
+    """The result on --base-url and, with --baseline-url, the baseline's on the same requests."""
     chat = args.endpoint.rstrip("/").endswith("chat/completions")
     spec = dataset_spec(args, chat)
     slos = parse_goodput(args.goodput)
@@ -119,28 +138,46 @@ async def run(args: argparse.Namespace) -> BenchResult:
                      max_duration=args.max_duration, seed=args.seed + i)
              for i, (rate, conc) in enumerate(itertools.product(args.request_rate, args.max_concurrency))]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    urls_models = [("strata", args.base_url, args.model)]
+    if args.baseline_url:
+        urls_models.append((args.baseline_name, args.baseline_url, args.baseline_model))
     async with open_session(args.request_timeout, headers) as session:
-        model = args.model or await first_model(session, base_url)
-        settings = RequestSettings(url=base_url + args.endpoint, model=model, chat=chat, ignore_eos=args.ignore_eos,
-                                   temperature=args.temperature, continuous_usage_stats=args.continuous_usage_stats,
-                                   extra_body=args.extra_body)
-        runs: list[RunResult] = []
+        targets = []
+        for name, url, model in urls_models:
+            url = url.rstrip("/")
+            settings = RequestSettings(url=url + args.endpoint, model=model or await first_model(session, url),
+                                       chat=chat, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                                       continuous_usage_stats=args.continuous_usage_stats, extra_body=args.extra_body)
+            targets.append(Target(name, url, settings))
+        runs: dict[str, list[RunResult]] = {target.name: [] for target in targets}
         for plan in plans:
             sampled = sample_requests(spec, args.num_prompts + args.num_warmups, plan.seed)
             requests, warmups = sampled[:args.num_prompts], sampled[args.num_prompts:]
-            progress = make_progress(len(requests), plan.label, disabled=args.disable_tqdm)
-            result = await run_point(session, settings, requests, warmups, plan,
-                                     server_metrics.metrics_url(base_url), args.metric_percentiles, slos,
-                                     on_done=progress.update)
-            progress.close()
-            print(report.format_run(result, metrics_shown, args.metric_percentiles), flush=True)
-            runs.append(result)
-    if len(runs) > 1:
-        print(report.format_sweep(runs), flush=True)
+            for target in targets:
+                label = plan.label if len(targets) == 1 else f"{target.name}: {plan.label}"
+                progress = make_progress(len(requests), label, disabled=args.disable_tqdm)
+                result = await run_point(session, target.settings, requests, warmups, plan,
+                                         server_metrics.metrics_url(target.base_url), args.metric_percentiles, slos,
+                                         on_done=progress.update)
+                progress.close()
+                if len(targets) > 1:
+                    print(f"--- {target.name} ({target.base_url}) ---")
+                print(report.format_run(result, metrics_shown, args.metric_percentiles), flush=True)
+                runs[target.name].append(result)
+    for target in targets:
+        if len(plans) > 1:
+            if len(targets) > 1:
+                print(f"{target.name}:")
+            print(report.format_sweep(runs[target.name]), flush=True)
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
-    rates = [r if math.isfinite(r) else "inf" for r in args.request_rate]
-    config.update(model=model, base_url=base_url, request_rate=rates)
-    return BenchResult(kind="serve", config=config, runs=runs)
+    config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
+    results = [BenchResult(kind="serve", runs=runs[target.name],
+                           config=dict(config, model=target.settings.model, base_url=target.base_url))
+               for target in targets]
+    if len(results) == 1:
+        return results[0], None
+    print(report.format_side_by_side(results[0].runs, results[1].runs, "strata", args.baseline_name), flush=True)
+    return results[0], results[1]
 
 
 def default_stem(args: argparse.Namespace, model: str) -> str:
@@ -148,9 +185,17 @@ def default_stem(args: argparse.Namespace, model: str) -> str:
     return f"serve-{args.dataset_name}-{Path(model).name or 'model'}-{stamp}"
 
 
-def write_outputs(result: BenchResult, args: argparse.Namespace) -> list[Path]:
-    directory = Path(args.result_dir)
+def write_outputs(result: BenchResult, args: argparse.Namespace, baseline: BenchResult | None = None) -> list[Path]:
+    """The result (and the baseline's beside it, as `<stem>-<baseline-name>.json`), with plots."""
     stem = Path(args.result_filename).stem if args.result_filename else default_stem(args, result.config["model"])
+    paths = _write_result(result, args, stem, args.result_filename or f"{stem}.json")
+    if baseline is not None:
+        paths += _write_result(baseline, args, f"{stem}-{args.baseline_name}", f"{stem}-{args.baseline_name}.json")
+    return paths
+
+
+def _write_result(result: BenchResult, args: argparse.Namespace, stem: str, filename: str) -> list[Path]:
+    directory = Path(args.result_dir)
     paths = []
     if not args.no_plots:
         from services.bench.plots import write_plots
@@ -159,18 +204,19 @@ def write_outputs(result: BenchResult, args: argparse.Namespace) -> list[Path]:
     if not args.save_detailed:
         for run in result.runs:
             run.samples = None
-    paths.insert(0, save_result(result, directory / (args.result_filename or f"{stem}.json")))
+    paths.insert(0, save_result(result, directory / filename))
     return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        result = asyncio.run(run(args))
+        result, baseline = asyncio.run(run(args))
     except (ValueError, aiohttp.ClientError) as exc:
         print(f"strata bench serve: {exc}", file=sys.stderr)
         return 2
     if args.save_result:
-        for path in write_outputs(result, args):
+        for path in write_outputs(result, args, baseline):
             print(f"wrote {path}")
-    return 0 if all(run.metrics["completed"] > 0 for run in result.runs) else 1
+    runs = result.runs + (baseline.runs if baseline else [])
+    return 0 if all(run.metrics["completed"] > 0 for run in runs) else 1

@@ -113,3 +113,31 @@ def test_compare_rejects_a_file_that_is_not_a_result(tmp_path, capsys):
     bad.write_text(json.dumps({"kind": "serve"}))
     assert bench_main(["compare", str(bad), str(bad)]) == 2
     assert "not a Strata benchmark result" in capsys.readouterr().err
+
+
+def test_baseline_gets_the_same_requests_and_a_side_by_side_table(start_server, tmp_path, capsys):
+    base_url, state = start_server()
+    baseline_url, baseline_state = start_server(token_delay_s=0.004)
+    rc = serve(base_url, tmp_path, "--baseline-url", baseline_url, "--baseline-name", "llama.cpp",
+               "--num-prompts", "5", "--num-warmups", "1", "--max-concurrency", "1,4", "--random-input-len", "6",
+               "--random-output-len", "4", "--random-range-ratio", "0.5", "--ignore-eos", "--no-plots",
+               "--result-filename", "pair.json")
+    assert rc == 0
+    assert state.bodies == baseline_state.bodies and state.num_requests == 2 * (5 + 1)
+    out = capsys.readouterr().out
+    table = out[out.index("strata vs llama.cpp, same requests; ratio = strata / llama.cpp"):].splitlines()[:5]
+    assert table[2].split()[:4] == ["run", "strata", "llama.cpp", "ratio"]
+    assert [line.split()[0] for line in table[3:]] == ["max_concurrency=1", "max_concurrency=4"]
+
+    strata, baseline = load_result(tmp_path / "pair.json"), load_result(tmp_path / "pair-llama.cpp.json")
+    assert strata.config["base_url"] == base_url and baseline.config["base_url"] == baseline_url
+    for run, other, line in zip(strata.runs, baseline.runs, table[3:], strict=True):
+        assert run.label == other.label
+        for key in ("completed", "total_input_tokens", "total_output_tokens"):
+            assert run.metrics[key] == other.metrics[key]
+        cells = line.split()
+        assert cells[1:3] == [f"{run.metrics['output_throughput']:.2f}", f"{other.metrics['output_throughput']:.2f}"]
+        assert cells[3] == f"{run.metrics['output_throughput'] / other.metrics['output_throughput']:.2f}x"
+        assert cells[-2:] == ["0", "0"]
+    assert bench_main(["compare", str(tmp_path / "pair-llama.cpp.json"), str(tmp_path / "pair.json")]) == 0
+    assert "max_concurrency=4  vs  max_concurrency=4" in capsys.readouterr().out
