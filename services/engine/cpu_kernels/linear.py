@@ -1,0 +1,91 @@
+"""``y = x W^T + b`` for a few rows of ``x`` on the CPU, at the memory bandwidth (``linear.cpp``).
+
+With a few rows a linear layer reads its whole weight to do two FLOPs per element, so it runs at the
+speed the weight streams from memory. The weight is blocked once, at load time (``block_weight``), into
+panels of 16 output rows interleaved along ``K``: one 64-byte load then feeds 16 outputs (float32), or
+16 outputs over two ``K`` (bfloat16 pairs, multiplied by ``_mm512_dpbf16_ps`` where the CPU has it).
+All rows are computed in one pass over the weight, so 4 rows cost about what 1 does. ``x``, ``b`` and
+``y`` are in the weight's dtype; the sums are float32.
+
+``small_m_linear`` is also the custom op ``strata::small_m_linear``, opaque to ``torch.compile``.
+"""
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.cpu_kernels.build import load_library
+
+PANEL = 16  # output rows per panel of the blocked weight (one AVX-512 register of float32)
+_DTYPES = (torch.float32, torch.bfloat16)
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+
+
+def _library() -> ctypes.CDLL | None:
+    library = load_library("linear.cpp")
+    if library is not None and library.linear_f32.argtypes is None:
+        for function in (library.linear_f32, library.linear_bf16):
+            function.argtypes, function.restype = _ARGTYPES, None
+    return library
+
+
+def can_run(dtype: torch.dtype) -> bool:
+    """Whether the native kernel serves CPU weights of ``dtype`` here (False without a compiler)."""
+    return dtype in _DTYPES and _library() is not None
+
+
+def block_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` laid out for the kernel: float32 ``[ceil(N/16), K, 16]``, bfloat16
+    ``[ceil(N/16), ceil(K/2), 16, 2]``; padding is zeros. A new tensor (the original can be freed)."""
+    if weight.dtype not in _DTYPES or weight.dim() != 2:
+        raise ValueError(f"block_weight takes a 2-d float32 or bfloat16 weight, not {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    num_panels = -(-n // PANEL)
+    if weight.dtype == torch.float32:
+        padded = F.pad(weight, (0, 0, 0, num_panels * PANEL - n))
+        return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
+    k_pairs = -(-k // 2)
+    padded = F.pad(weight, (0, 2 * k_pairs - k, 0, num_panels * PANEL - n))
+    return padded.view(num_panels, PANEL, k_pairs, 2).transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("strata::small_m_linear", mutates_args=())
+def small_m_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x [M, K] @ W^T + bias -> [M, out_features]``, ``W`` given as ``block_weight(W)``; any ``M``, but
+    it beats oneDNN only for a few rows. ``x`` may be a row-strided view; a column-strided one is copied."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU linear kernel is not available here (no C++ compiler?); check can_run()")
+    m, k = x.shape
+    dtype = blocked.dtype
+    expected_blocked = ((-(-out_features // PANEL), k, PANEL) if dtype == torch.float32
+                        else (-(-out_features // PANEL), -(-k // 2), PANEL, 2))
+    if x.dtype != dtype or tuple(blocked.shape) != expected_blocked or not blocked.is_contiguous():
+        raise ValueError(f"small_m_linear: x {x.dtype} {tuple(x.shape)} does not fit the blocked weight "
+                         f"{dtype} {tuple(blocked.shape)} of {out_features} outputs (expected {expected_blocked})")
+    if bias is not None and (bias.dtype != dtype or bias.shape != (out_features,) or not bias.is_contiguous()):
+        raise ValueError(f"small_m_linear: bias {bias.dtype} {tuple(bias.shape)} should be {dtype} ({out_features},)")
+    if x.device.type != "cpu":
+        raise ValueError(f"small_m_linear runs on the CPU, x is on {x.device}")
+    if x.stride(1) != 1 and k > 1:
+        x = x.contiguous()
+    y = torch.empty(m, out_features, dtype=dtype)
+    kernel = library.linear_f32 if dtype == torch.float32 else library.linear_bf16
+    kernel(x.data_ptr(), m, x.stride(0), blocked.data_ptr(), bias.data_ptr() if bias is not None else None,
+           out_features, k, y.data_ptr(), y.stride(0))
+    return y
+
+
+@small_m_linear.register_fake
+def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What ``small_m_linear`` computes, in torch: float32 sums, the result in ``weight``'s dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(weight.dtype)
