@@ -1,4 +1,4 @@
-"""`strata bench serve|offline|compare ...`: hands the rest of the arguments to that tool."""
+"""`strata bench serve|offline|compare|llamacpp ...`: hands the rest of the arguments to that tool."""
 
 import importlib
 import sys
@@ -9,6 +9,7 @@ TOOLS = {
     "overhead": ("services.bench.overhead", "the whole stack against the engine in-process"),
     "routing": ("services.bench.routing", "prefix-aware routing against round-robin, on replicas"),
     "compare": ("services.bench.compare", "two result files side by side, with ratios"),
+    "llamacpp": ("services.bench.llamacpp", "build, convert for and start llama.cpp's server (the baseline)"),
 }
 
 

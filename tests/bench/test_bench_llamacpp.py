@@ -1,0 +1,36 @@
+"""The llama.cpp baseline's pieces that need no build: the tokenizer check behind the GGUF's "gpt-2"
+pre-tokenizer, the server's command line and its health wait."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.bench.llamacpp import server_command, verify_pre_tokenizer, wait_healthy
+from services.common.default_model import ensure_default_model
+
+
+def test_builtin_tokenizer_pre_tokenizes_as_gpt2(tmp_path):
+    verify_pre_tokenizer(ensure_default_model())
+    spec = json.loads((ensure_default_model() / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="does not pre-tokenize as GPT-2"):
+        verify_pre_tokenizer(tmp_path)
+
+
+def test_server_command_gives_every_slot_its_context(tmp_path):
+    command = server_command(tmp_path / "llama-server", tmp_path / "m.gguf", 8081, threads=2, parallel=64,
+                             ctx_per_slot=1024)
+    flags = dict(zip(command[1::2], command[2::2]))
+    assert command[0] == str(tmp_path / "llama-server") and flags["-m"] == str(tmp_path / "m.gguf")
+    assert (flags["--host"], flags["--port"], flags["-t"], flags["-tb"]) == ("127.0.0.1", "8081", "2", "2")
+    assert (flags["--parallel"], flags["-c"]) == ("64", str(64 * 1024))
+    assert "--cont-batching" in command
+
+
+def test_health_wait_fails_fast_when_the_server_exits():
+    process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        wait_healthy(process, port=9, timeout_s=30)
