@@ -10,7 +10,8 @@ two ways (`--prompt-format`):
   adds its own tokens); the reported figures use the server's `usage.prompt_tokens`.
 
 Workloads:
-- `random`: lengths uniform in [L*(1-r), L*(1+r)] (`--random-range-ratio` r, as vLLM).
+- `random`: lengths uniform in [L*(1-r), L*(1+r)] (`--random-range-ratio` r, as vLLM; outputs may
+  take their own r, `--random-output-range-ratio`).
 - `fixed`: one prompt repeated; with prefix caching every request after the first hits the cache.
 - `shared-prefix`: `--prefix-num` system prompts of `--prefix-len` tokens; every request is one
   user's own `--suffix-len`-token question after one of them, in random order.
@@ -60,6 +61,7 @@ class DatasetSpec:
     input_len: int = 1024
     output_len: int = 128
     range_ratio: float = 0.0
+    output_range_ratio: float | None = None  # None: range_ratio
     prefix_num: int = 4
     prefix_len: int = 512
     suffix_len: int = 64
@@ -73,6 +75,8 @@ class DatasetSpec:
             raise ValueError("token-id prompts need /v1/completions; use --prompt-format text for chat")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"--random-range-ratio {self.range_ratio} must be in [0, 1)")
+        if self.output_range_ratio is not None and not 0.0 <= self.output_range_ratio < 1.0:
+            raise ValueError(f"--random-output-range-ratio {self.output_range_ratio} must be in [0, 1)")
         for flag, value in (("--random-input-len", self.input_len), ("--random-output-len", self.output_len),
                             ("--random-vocab-size", self.vocab_size), ("--prefix-num", self.prefix_num),
                             ("--suffix-len", self.suffix_len)):
@@ -116,7 +120,8 @@ def _request(spec: DatasetSpec, parts: list[list[int] | str], prompt_len: int, o
 
 def _random(spec: DatasetSpec, n: int, rng: np.random.Generator) -> list[BenchRequest]:
     input_lens = sample_lengths(rng, spec.input_len, spec.range_ratio, n)
-    output_lens = sample_lengths(rng, spec.output_len, spec.range_ratio, n)
+    output_ratio = spec.range_ratio if spec.output_range_ratio is None else spec.output_range_ratio
+    output_lens = sample_lengths(rng, spec.output_len, output_ratio, n)
     return [_request(spec, [_tokens(spec, rng, i)], i, o) for i, o in zip(input_lens, output_lens)]
 
 

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument("--random-range-ratio", type=float, default=0.0)
+    data.add_argument("--random-output-range-ratio", type=float, default=None,
+                      help="the outputs' own range ratio (default: --random-range-ratio)")
     data.add_argument("--random-vocab-size", type=int, default=256,
                       help="token-id prompts draw ids from [0, N); keep N within the model's vocabulary")
     data.add_argument("--prefix-num", type=int, default=4, help="shared-prefix: number of system prompts")
@@ -101,7 +103,8 @@ def dataset_spec(args: argparse.Namespace, chat: bool) -> DatasetSpec:
     token_ids = {"auto": not chat, "token-ids": True, "text": False}[args.prompt_format]
     return DatasetSpec(name=args.dataset_name, chat=chat, token_ids=token_ids, vocab_size=args.random_vocab_size,
                        input_len=args.random_input_len, output_len=args.random_output_len,
-                       range_ratio=args.random_range_ratio, prefix_num=args.prefix_num,
+                       range_ratio=args.random_range_ratio, output_range_ratio=args.random_output_range_ratio,
+                       prefix_num=args.prefix_num,
                        prefix_len=args.prefix_len, suffix_len=args.suffix_len, dataset_path=args.dataset_path,
                        custom_output_len=args.custom_output_len)
 

@@ -19,6 +19,16 @@ def test_random_token_ids_have_exact_lengths_within_the_vocab():
     assert sample_requests(spec, 200, seed=2) != requests
 
 
+def test_outputs_can_take_their_own_range_ratio():
+    # issue #9's load: prompts of 64-511 tokens, outputs of 64-256
+    spec = DatasetSpec(input_len=288, output_len=160, range_ratio=0.7777, output_range_ratio=0.6)
+    requests = sample_requests(spec, 2000, seed=0)
+    assert min(r.prompt_len for r in requests) == 64 and max(r.prompt_len for r in requests) == 511
+    assert min(r.output_len for r in requests) == 64 and max(r.output_len for r in requests) == 256
+    with pytest.raises(ValueError, match="--random-output-range-ratio"):
+        DatasetSpec(output_range_ratio=1.0)
+
+
 def test_range_ratio_zero_gives_fixed_lengths_and_text_has_one_word_per_token():
     spec = DatasetSpec(token_ids=False, input_len=30, output_len=7)
     for r in sample_requests(spec, 20, seed=0):
