@@ -18,6 +18,7 @@ checks the claim on the tokenizer itself before converting.
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=64, help="slots, i.e. concurrent streams (default: %(default)s)")
     p.add_argument("--ctx-per-slot", type=int, default=1024,
                    help="context per slot; -c is parallel x this (default: %(default)s, fits 512 + 256 tokens)")
+    p.add_argument("--server-args", default="",
+                   help="more llama-server flags, one quoted string (e.g. \"-ctk f32 -ctv f32\": its K/V cache is f16 by default)")
     p.add_argument("--version", default=VERSION, help="llama-cpp-python sdist to build from (default: %(default)s)")
     return p
 
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "convert":
         return 0
     command = server_command(binary, gguf, args.port, args.threads, args.parallel, args.ctx_per_slot)
+    command += shlex.split(args.server_args)
     print(" ".join(command), flush=True)
     process = subprocess.Popen(command)
     try:
