@@ -7,6 +7,8 @@ Each subcommand hands its remaining arguments to that module's own `main(argv)`,
 import importlib
 import sys
 
+from services.engine.threads import use_openmp_wait_policy
+
 SUBCOMMANDS = {
     "up": ("services.launcher", "start the whole stack on loopback"),
     "tokenizer": ("services.tokenizer.__main__", "run the tokenizer service"),
@@ -17,6 +19,7 @@ SUBCOMMANDS = {
     "generate": ("services.engine.offline", "generate offline from a checkpoint, no services"),
     "bench": ("services.bench.__main__", "benchmarks: `strata bench serve|offline|compare`"),
 }
+RUN_THE_ENGINE_IN_PROCESS = ("engine", "generate", "bench")
 
 
 def usage() -> str:
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"strata: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if name in RUN_THE_ENGINE_IN_PROCESS:
+        use_openmp_wait_policy()  # before the subcommand's imports load torch
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return module.main(rest) or 0
 

@@ -5,6 +5,7 @@ import logging
 
 from services.common.telemetry import setup_tracing
 from services.engine.engine_args import add_engine_args, config_from_args
+from services.engine.threads import use_openmp_wait_policy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    use_openmp_wait_policy()  # before the server's imports load torch
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
     setup_tracing("strata-engine")

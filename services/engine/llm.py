@@ -8,6 +8,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import SampledLogprobs
+from services.engine.threads import set_num_threads
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Completion:
 
 class LLM:
     def __init__(self, config: EngineConfig) -> None:
+        """Sets torch's thread count (`threads.set_num_threads`): run `generate` on this thread."""
+        set_num_threads(config.num_threads)
         self.core = EngineCore(config)
         self._ids = itertools.count()
 

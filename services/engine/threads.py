@@ -1,0 +1,63 @@
+"""The engine's CPU threads: how many run the model's kernels, and how OpenMP's idle ones wait.
+
+Both are set where an engine process starts (`strata engine`, `strata generate`, `strata bench`),
+and by the launcher for its engine children:
+
+- The wait policy goes into the environment before torch is imported: GNU libgomp (torch's OpenMP)
+  reads it once, when it loads. libgomp's own default spins an idle thread ~300,000 times (a few
+  milliseconds) before it sleeps, so between the many small parallel regions of a decode step the
+  threads never sleep. On an idle machine that saves a wake-up per region; on a core shared with
+  another busy process the spinning threads burn the time slices that the thread holding the work
+  needs, and a step takes 10-20x longer. `GOMP_SPINCOUNT` caps the spin; a user's own
+  `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is left as it is.
+- The thread count: `--num-threads`, else `OMP_NUM_THREADS` when set, else the cores this process
+  may run on (its CPU affinity, which `taskset`, cgroups' cpusets and container limits narrow).
+"""
+
+import os
+from collections.abc import Mapping
+
+# Spins before an idle OpenMP thread sleeps: ~0.1 ms on a 3 GHz core, longer than the gaps between
+# the parallel regions of one step, far shorter than a scheduler's time slice.
+OPENMP_SPIN_COUNT = 10_000
+_WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def openmp_wait_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to add to ``environ`` for the engine's wait policy: none when it already
+    names one."""
+    if any(name in environ for name in _WAIT_POLICY_VARIABLES):
+        return {}
+    return {"GOMP_SPINCOUNT": str(OPENMP_SPIN_COUNT)}
+
+
+def use_openmp_wait_policy() -> None:
+    """Puts the engine's wait policy into this process's environment. Call it before torch is
+    imported: libgomp ignores later changes."""
+    os.environ.update(openmp_wait_env(os.environ))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def resolve_num_threads(num_threads: int | None, environ: Mapping[str, str]) -> int:
+    """``num_threads`` (--num-threads) when given, else a valid ``OMP_NUM_THREADS``, else the
+    usable cores."""
+    if num_threads is not None:
+        return num_threads
+    from_env = environ.get("OMP_NUM_THREADS", "").strip()
+    if from_env.isdigit() and int(from_env) > 0:
+        return int(from_env)
+    return usable_cores()
+
+
+def set_num_threads(num_threads: int | None) -> int:
+    """Sets torch's intra-op thread count (see `resolve_num_threads`); returns it. Call it from the
+    thread that will run the model's steps, before the first one."""
+    import torch
+
+    resolved = resolve_num_threads(num_threads, os.environ)
+    torch.set_num_threads(resolved)
+    return resolved
