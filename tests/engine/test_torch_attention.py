@@ -1,5 +1,6 @@
-"""The torch attention backend against a naive reference: every path (sparse decode, gathered decode,
-prefill with and without a cached prefix), with and without a sliding window, on scattered blocks."""
+"""The torch attention backend against a naive reference: every path (native decode, sparse decode,
+gathered decode, prefill with and without a cached prefix), with and without a sliding window, on
+scattered blocks."""
 
 import random
 
@@ -8,6 +9,7 @@ import torch
 
 from services.engine.attention import AttentionMetadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
+from services.engine.cpu_kernels import paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 NUM_BLOCKS = 64
@@ -26,9 +28,16 @@ def reference(q, keys, values, positions, window):
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
 
+# decode path -> (the dtype the backend is built for, whether it may use the native kernel)
+DECODE_PATHS = {"native": (torch.float32, True), "sparse": (torch.float32, False),
+                "gathered": (torch.bfloat16, False)}  # bf16 without the native kernel picks the gather
+
+
 @pytest.mark.parametrize("window", [None, 5, 16])
-@pytest.mark.parametrize("sparse_decode", [True, False])
-def test_every_path_matches_reference(window, sparse_decode):
+@pytest.mark.parametrize("decode_path", list(DECODE_PATHS))
+def test_every_path_matches_reference(window, decode_path):
+    if decode_path == "native" and not paged_decode.is_available():
+        pytest.skip("no C++ compiler: the native kernels are off")
     rng = random.Random(7)
     torch.manual_seed(7)
     # (tokens already cached, new tokens): decodes first, as the model runner orders them
@@ -63,12 +72,15 @@ def test_every_path_matches_reference(window, sparse_decode):
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         slot_mapping=torch.tensor(slot_mapping), max_query_len=int(new_counts.max()),
         max_seq_len=max(c + n for c, n in requests), block_size=BLOCK)
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5,
-                                    torch.float32 if sparse_decode else torch.bfloat16)  # bf16 picks the gather
+    dtype, use_native_decode = DECODE_PATHS[decode_path]
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, dtype, use_native_decode)
     prepared = backend.prepare(metadata)
     out = backend.forward(torch.cat(q_all), torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, prepared, window)
     expected = torch.cat([reference(q, k, v, pos, window) for (q, pos), k, v in zip(rows, full_k, full_v)])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     # the second layer of the step reuses the index the first one built
     assert list(prepared.indices) == [window]
-    assert (prepared.indices[window].sparse_decode is not None) == sparse_decode
+    index = prepared.indices[window]
+    taken = [name for name, taken in [("native", index.native_decode), ("sparse", index.sparse_decode is not None),
+                                      ("gathered", index.gathered_decode is not None)] if taken]
+    assert taken == [decode_path]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
+from services.engine.cpu_kernels import paged_decode
 
 # The decode path builds a CSR pattern per step; torch says once per process that CSR is beta.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
@@ -69,8 +70,10 @@ class PrefillChunk:
 
 @dataclass
 class StepIndex:
-    """What one step's layers of one sliding window (None: whole contexts) attend with."""
+    """What one step's layers of one sliding window (None: whole contexts) attend with. Decode rows
+    take at most one path: native (no index: the kernel reads the block tables), sparse or gathered."""
 
+    native_decode: bool
     sparse_decode: SparseDecodeIndex | None
     gathered_decode: GatheredDecodeIndex | None
     prefills: list[PrefillChunk]
@@ -82,8 +85,12 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+                 use_native_decode: bool = True) -> None:
+        """``use_native_decode``: decode rows on the CPU through the native kernel where it is built and
+        takes this shape (False: the torch paths everywhere, as where there is no compiler)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.use_native_decode = use_native_decode and paged_decode.can_run(num_heads, num_kv_heads, head_dim, dtype)
         self.use_sparse_decode = dtype == torch.float32
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
@@ -101,7 +108,11 @@ class TorchAttentionBackend(AttentionBackend):
         if index is None:
             index = metadata.indices[sliding_window] = self._step_index(metadata, sliding_window)
         outputs = []
-        decode_q = q[:metadata.num_decodes]
+        num_decodes = metadata.num_decodes
+        decode_q = q[:num_decodes]
+        if index.native_decode:
+            outputs.append(paged_decode.paged_decode(decode_q, k_cache, v_cache, metadata.block_tables[:num_decodes],
+                                                     metadata.seq_lens[:num_decodes], self.scale, sliding_window))
         if index.sparse_decode is not None:
             outputs.append(self._decode(decode_q, k_cache, v_cache, index.sparse_decode))
         if index.gathered_decode is not None:
@@ -111,12 +122,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _step_index(self, metadata: AttentionMetadata, window: int | None) -> StepIndex:
         num_decodes = metadata.num_decodes
+        native = bool(num_decodes) and self.use_native_decode and metadata.slot_mapping.device.type == "cpu"
         sparse = gathered = None
-        if num_decodes and self.use_sparse_decode:
+        if num_decodes and not native and self.use_sparse_decode:
             sparse = self._sparse_decode_index(metadata, num_decodes, window)
-        elif num_decodes:
+        elif num_decodes and not native:
             gathered = self._gathered_decode_index(metadata, num_decodes, window)
-        return StepIndex(sparse, gathered, self._prefill_chunks(metadata, window))
+        return StepIndex(native, sparse, gathered, self._prefill_chunks(metadata, window))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 index: SparseDecodeIndex) -> torch.Tensor:

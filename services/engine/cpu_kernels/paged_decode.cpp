@@ -59,7 +59,12 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-template <int D>
+template <int Dt>
+constexpr int64_t element_size() { return Dt == kFloat32 ? 4 : 2; }
+
+inline void prefetch(const char* address) { __builtin_prefetch(address, 0, 3); }
+
+template <int Dt>
 inline float to_float(const void* p, int64_t i);
 template <>
 inline float to_float<kFloat32>(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
@@ -74,6 +79,9 @@ template <>
 inline float to_float<kFloat16>(const void* p, int64_t i) { return half_to_float(static_cast<const uint16_t*>(p)[i]); }
 
 #ifdef STRATA_AVX512
+// The first n of 16 lanes (all of them for n >= 16).
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
 // 16 elements from p + i (only the lanes in mask) as float32.
 template <int Dt>
 inline __m512 load16(const void* p, int64_t i, __mmask16 mask) {
@@ -113,7 +121,7 @@ inline __m512 exp_nonpositive(__m512 x) {
 struct Partial {
   float max[kMaxGroup];
   float sum[kMaxGroup];
-  alignas(64) float acc[kMaxGroup * kMaxHeadDim];
+  alignas(64) float acc[kMaxGroup * kMaxHeadDim];  // row g at g * kMaxHeadDim, zero past head_dim
 };
 
 // Attend the query heads of (req, kv_head) over context positions [lo, hi).
@@ -124,43 +132,52 @@ void attend_chunk(const Problem& p, int64_t req, int64_t kv_head, int64_t lo, in
   const int64_t row_stride = p.num_kv_heads * dim;  // elements between consecutive tokens
   const int64_t* table = p.block_tables + req * p.table_stride;
 
-  alignas(64) float q[kMaxGroup * kMaxHeadDim];  // scaled query rows of the group, float32
+  // Scaled query rows of the group in float32, rows kMaxHeadDim apart (zero past dim, as acc's rows).
+  alignas(64) float q[kMaxGroup * kMaxHeadDim] = {};
   for (int64_t g = 0; g < group; ++g) {
     const int64_t base = req * p.q_stride_req + (kv_head * group + g) * p.q_stride_head;
-    for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = to_float<Dt>(p.q, base + d) * p.scale;
+    for (int64_t d = 0; d < dim; ++d) q[g * kMaxHeadDim + d] = to_float<Dt>(p.q, base + d) * p.scale;
     part.max[g] = -INFINITY;
     part.sum[g] = 0.0f;
   }
-  std::fill(part.acc, part.acc + group * dim, 0.0f);
+  std::fill(part.acc, part.acc + group * kMaxHeadDim, 0.0f);
 
-  int64_t row[kTile];  // element offset of each tile token's row (K and V share it)
+  // Element offsets of the rows (K and V share them) of the tile's tokens and of the next tile's.
+  auto find_rows = [&](int64_t start, int64_t* rows) {
+    for (int64_t t = 0; t < std::min(kTile, hi - start); ++t) {
+      const int64_t pos = start + t;
+      rows[t] = (table[pos / p.block_size] * p.block_size + pos % p.block_size) * row_stride + kv_head * dim;
+    }
+  };
+  int64_t rows_a[kTile], rows_b[kTile];
+  int64_t *row = rows_a, *next_row = rows_b;
+  find_rows(lo, row);
   alignas(64) float score[kMaxGroup][kTile];
   for (int64_t start = lo; start < hi; start += kTile) {
     const int64_t count = std::min(kTile, hi - start);
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t pos = start + t;
-      const int64_t slot = table[pos / p.block_size] * p.block_size + pos % p.block_size;
-      row[t] = slot * row_stride + kv_head * dim;
-    }
+    // Blocks are scattered over the pool: ask for the next tile's K rows and this tile's V rows early.
+    const int64_t next_count = std::min(kTile, hi - start - kTile);
+    if (next_count > 0) find_rows(start + kTile, next_row);
+    for (int64_t t = 0; t < std::max<int64_t>(count, next_count); ++t)
+      for (int64_t line = 0; line < dim * element_size<Dt>(); line += 64) {
+        if (t < next_count) prefetch(static_cast<const char*>(p.k_cache) + next_row[t] * element_size<Dt>() + line);
+        if (t < count) prefetch(static_cast<const char*>(p.v_cache) + row[t] * element_size<Dt>() + line);
+      }
     // score[g][t] = q_g . k_t
     for (int64_t t = 0; t < count; ++t) {
-#ifdef STRATA_AVX512
-      __m512 dots[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) dots[g] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < dim; d += 16) {
-        const __mmask16 mask = dim - d >= 16 ? __mmask16(0xffff) : __mmask16((1u << (dim - d)) - 1);
-        const __m512 k = load16<Dt>(p.k_cache, row[t] + d, mask);
-        for (int64_t g = 0; g < group; ++g)
-          dots[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, q + g * dim + d), k, dots[g]);
-      }
-      for (int64_t g = 0; g < group; ++g) score[g][t] = _mm512_reduce_add_ps(dots[g]);
-#else
       for (int64_t g = 0; g < group; ++g) {
+        const float* q_g = q + g * kMaxHeadDim;
+#ifdef STRATA_AVX512
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16)
+          dot = _mm512_fmadd_ps(_mm512_load_ps(q_g + d), load16<Dt>(p.k_cache, row[t] + d, lanes(dim - d)), dot);
+        score[g][t] = _mm512_reduce_add_ps(dot);
+#else
         float dot = 0.0f;
-        for (int64_t d = 0; d < dim; ++d) dot += q[g * dim + d] * to_float<Dt>(p.k_cache, row[t] + d);
+        for (int64_t d = 0; d < dim; ++d) dot += q_g[d] * to_float<Dt>(p.k_cache, row[t] + d);
         score[g][t] = dot;
-      }
 #endif
+      }
     }
     // Online softmax: rescale what came before to the new max, turn scores into weights.
     for (int64_t g = 0; g < group; ++g) {
@@ -186,27 +203,32 @@ void attend_chunk(const Problem& p, int64_t req, int64_t kv_head, int64_t lo, in
 #endif
       part.sum[g] = part.sum[g] * rescale + tile_sum;
       if (rescale != 1.0f)
-        for (int64_t d = 0; d < dim; ++d) part.acc[g * dim + d] *= rescale;
+        for (int64_t d = 0; d < dim; ++d) part.acc[g * kMaxHeadDim + d] *= rescale;
     }
-    // acc_g += sum_t w[g][t] * v_t
-    for (int64_t t = 0; t < count; ++t) {
-#ifdef STRATA_AVX512
+    // acc_g += sum_t w[g][t] * v_t, each 16 lanes of acc_g kept in registers over the tile
+    for (int64_t g = 0; g < group; ++g) {
+      const float* weight = score[g];
       for (int64_t d = 0; d < dim; d += 16) {
-        const __mmask16 mask = dim - d >= 16 ? __mmask16(0xffff) : __mmask16((1u << (dim - d)) - 1);
-        const __m512 v = load16<Dt>(p.v_cache, row[t] + d, mask);
-        for (int64_t g = 0; g < group; ++g) {
-          float* acc = part.acc + g * dim + d;
-          _mm512_mask_storeu_ps(acc, mask,
-                                _mm512_fmadd_ps(_mm512_set1_ps(score[g][t]), v, _mm512_maskz_loadu_ps(mask, acc)));
-        }
-      }
+        float* acc = part.acc + g * kMaxHeadDim + d;
+#ifdef STRATA_AVX512
+        const __mmask16 mask = lanes(dim - d);
+        __m512 sums[4] = {_mm512_load_ps(acc), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        int64_t t = 0;
+        for (; t + 4 <= count; t += 4)
+          for (int64_t u = 0; u < 4; ++u)
+            sums[u] = _mm512_fmadd_ps(_mm512_set1_ps(weight[t + u]), load16<Dt>(p.v_cache, row[t + u] + d, mask),
+                                      sums[u]);
+        for (; t < count; ++t)
+          sums[0] = _mm512_fmadd_ps(_mm512_set1_ps(weight[t]), load16<Dt>(p.v_cache, row[t] + d, mask), sums[0]);
+        _mm512_store_ps(acc, _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])));
 #else
-      for (int64_t d = 0; d < dim; ++d) {
-        const float v = to_float<Dt>(p.v_cache, row[t] + d);
-        for (int64_t g = 0; g < group; ++g) part.acc[g * dim + d] += score[g][t] * v;
-      }
+        const int64_t width = std::min<int64_t>(16, dim - d);
+        for (int64_t t = 0; t < count; ++t)
+          for (int64_t i = 0; i < width; ++i) acc[i] += weight[t] * to_float<Dt>(p.v_cache, row[t] + d + i);
 #endif
+      }
     }
+    std::swap(row, next_row);
   }
 }
 
@@ -215,7 +237,7 @@ void write_output(const Problem& p, int64_t req, int64_t kv_head, const Partial&
   for (int64_t g = 0; g < group; ++g) {
     float* out = p.out + (req * p.num_heads + kv_head * group + g) * p.head_dim;
     const float inverse = part.sum[g] > 0.0f ? 1.0f / part.sum[g] : 0.0f;
-    for (int64_t d = 0; d < p.head_dim; ++d) out[d] = part.acc[g * p.head_dim + d] * inverse;
+    for (int64_t d = 0; d < p.head_dim; ++d) out[d] = part.acc[g * kMaxHeadDim + d] * inverse;
   }
 }
 
@@ -227,12 +249,12 @@ void merge(const Problem& p, const Partial* chunks, int64_t num_chunks, Partial&
     for (int64_t c = 0; c < num_chunks; ++c) max = std::max(max, chunks[c].max[g]);
     merged.max[g] = max;
     merged.sum[g] = 0.0f;
-    float* acc = merged.acc + g * p.head_dim;
-    std::fill(acc, acc + p.head_dim, 0.0f);
+    float* acc = merged.acc + g * kMaxHeadDim;
+    std::fill(acc, acc + kMaxHeadDim, 0.0f);
     for (int64_t c = 0; c < num_chunks; ++c) {
       const float weight = std::exp(chunks[c].max[g] - max);
       merged.sum[g] += chunks[c].sum[g] * weight;
-      const float* part = chunks[c].acc + g * p.head_dim;
+      const float* part = chunks[c].acc + g * kMaxHeadDim;
       for (int64_t d = 0; d < p.head_dim; ++d) acc[d] += part[d] * weight;
     }
   }
