@@ -68,7 +68,8 @@ def plan_choices(request_id: str, prompts: list[list[int]], max_tokens: list[int
 
 
 class _Detokenizer:
-    """One Detokenize bidi stream: ids in, text deltas out, one reply per write."""
+    """One Detokenize bidi stream: ids in, text deltas out, one reply per write, in order. A write
+    need not wait for the previous reply: one task may write while another reads."""
 
     def __init__(self, upstream: Upstream, prompt_ids: list[int], skip_special_tokens: bool) -> None:
         self._call = upstream.tokenizer.Detokenize(timeout=upstream.generate_timeout_s)
@@ -77,21 +78,27 @@ class _Detokenizer:
             prefix_token_ids=prompt_ids[-_DETOKENIZE_PREFIX_IDS:])
         self._opened = False
 
-    async def push(self, token_ids) -> str:
+    async def write(self, token_ids) -> bool:
+        """Sends ids; returns whether a reply will come for them (none for no ids)."""
         if not token_ids:
-            return ""
+            return False
         request = tokenizer_pb2.DetokenizeRequest(token_ids=token_ids)
         if not self._opened:
             self._first.token_ids.extend(token_ids)
             request, self._opened = self._first, True
         await self._call.write(request)
+        return True
+
+    async def read(self) -> str:
+        """The text delta of the oldest write not read yet."""
         reply = await self._call.read()
         if reply is grpc.aio.EOF:
             raise errors.OpenAIError("tokenizer closed the Detokenize stream early", 502)
         return reply.text_delta
 
     async def finish(self) -> str:
-        """Half-closes the stream and returns any text the tokenizer still held."""
+        """Half-closes the stream and returns any text the tokenizer still held; call it after
+        reading the reply of the last write."""
         if not self._opened:
             return ""
         await self._call.done_writing()
@@ -104,22 +111,47 @@ class _Detokenizer:
         self._call.cancel()
 
 
+_END_OF_OUTPUTS = object()
+
+
+async def _feed(generate, detokenizer: _Detokenizer, outputs: asyncio.Queue) -> None:
+    """Reads the engine's outputs and sends each one's ids to the tokenizer at once, so that its
+    round trip overlaps the next step instead of following it. Queues ``(output, has_reply)`` in
+    order until the one with a finish reason; else ``_END_OF_OUTPUTS``, or the error that stopped it."""
+    where = "engine"
+    try:
+        async for output in generate:
+            where = "tokenizer"
+            has_reply = await detokenizer.write(output.token_ids)
+            where = "engine"
+            outputs.put_nowait((output, has_reply))
+            if output.finish_reason in _FINISH_REASONS:
+                return
+        outputs.put_nowait(_END_OF_OUTPUTS)
+    except grpc.RpcError as error:
+        outputs.put_nowait(errors.from_grpc(error, where))
+    except Exception as error:  # handed to run_choice, which raises it
+        outputs.put_nowait(error)
+
+
 async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
                      eos_token_ids: frozenset[int]) -> AsyncIterator[Step]:
     generate = upstream.engine.Generate(spec.request, timeout=upstream.generate_timeout_s)
     detokenizer = _Detokenizer(upstream, spec.prompt_ids, params.skip_special_tokens)
+    outputs: asyncio.Queue = asyncio.Queue()
+    feeder = asyncio.create_task(_feed(generate, detokenizer, outputs))
     matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
     num_tokens = 0
-    where = "engine"
     try:
-        async for output in generate:
+        while (item := await outputs.get()) is not _END_OF_OUTPUTS:
+            if isinstance(item, Exception):
+                raise item
+            output, has_reply = item
             num_tokens += len(output.token_ids)
-            where = "tokenizer"
-            text = await detokenizer.push(output.token_ids)
+            text = await detokenizer.read() if has_reply else ""
             finish = _FINISH_REASONS.get(output.finish_reason)
             if finish is not None:
                 text += await detokenizer.finish()
-            where = "engine"
             match = matcher.feed(text, can_stop=num_tokens >= params.min_tokens)
             step = Step(spec.index, match.text, list(output.token_ids), list(output.logprobs),
                         prompt_tokens=output.usage.prompt_tokens or len(spec.prompt_ids),
@@ -138,9 +170,10 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
                 return
             yield step
         raise errors.OpenAIError("engine ended the stream without a finish reason", 502)
-    except grpc.RpcError as error:
-        raise errors.from_grpc(error, where) from None
+    except grpc.RpcError as error:  # reading the tokenizer's replies
+        raise errors.from_grpc(error, "tokenizer") from None
     finally:
+        feeder.cancel()
         generate.cancel()
         detokenizer.cancel()
 
