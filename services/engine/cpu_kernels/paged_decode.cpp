@@ -22,7 +22,8 @@ namespace {
 
 enum Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-constexpr int64_t kTile = 32;          // tokens scored before one softmax rescale
+constexpr int64_t kMaxTile = 32;        // tokens scored before one softmax rescale
+constexpr int64_t kTileBytes = 4096;    // ... fewer for long rows: what one tile reads of K (as of V)
 constexpr int64_t kMaxGroup = 16;      // query heads per kv head
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kItemsPerThread = 4;  // work items per thread the context split aims at
@@ -62,7 +63,7 @@ inline float half_to_float(uint16_t h) {
 template <int Dt>
 constexpr int64_t element_size() { return Dt == kFloat32 ? 4 : 2; }
 
-inline void prefetch(const char* address) { __builtin_prefetch(address, 0, 3); }
+inline void prefetch(const char* address) { __builtin_prefetch(address, 0, 2); }
 
 template <int Dt>
 inline float to_float(const void* p, int64_t i);
@@ -124,19 +125,161 @@ struct Partial {
   alignas(64) float acc[kMaxGroup * kMaxHeadDim];  // row g at g * kMaxHeadDim, zero past head_dim
 };
 
+// The query rows of one group, zero past head_dim: in float32, and as raw bfloat16 for dot products
+// straight on bfloat16 keys.
+struct Query {
+  alignas(64) float f32[kMaxGroup][kMaxHeadDim];
+  alignas(64) uint16_t bf16[kMaxGroup][kMaxHeadDim];
+};
+
+using Scores = float[kMaxGroup][kMaxTile];
+
+// score[g0 + s][t] = scale * q_(g0 + s) . k_t for the Sub query heads from g0 and the tile's tokens.
+template <int Dt, int Sub>
+void score_tile(const Problem& p, const Query& q, int64_t g0, const int64_t* row, int64_t count, Scores& score) {
+  const int64_t dim = p.head_dim;
+  for (int64_t t = 0; t < count; ++t) {
+#ifdef STRATA_AVX512
+    __m512 dot[Sub];
+    for (int s = 0; s < Sub; ++s) dot[s] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+    if constexpr (Dt == kBFloat16) {  // 32 products a step, on the raw bfloat16 pairs
+      for (int64_t d = 0; d < dim; d += 32) {
+        const __mmask32 mask = dim - d >= 32 ? ~__mmask32(0) : (__mmask32(1) << (dim - d)) - 1;
+        const auto* k_row = static_cast<const uint16_t*>(p.k_cache) + row[t];
+        const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(mask, k_row + d);
+        for (int s = 0; s < Sub; ++s)
+          dot[s] = _mm512_dpbf16_ps(dot[s], (__m512bh)_mm512_load_si512(q.bf16[g0 + s] + d), k);
+      }
+    } else
+#endif
+    {
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 k = load16<Dt>(p.k_cache, row[t] + d, lanes(dim - d));
+        for (int s = 0; s < Sub; ++s) dot[s] = _mm512_fmadd_ps(_mm512_load_ps(q.f32[g0 + s] + d), k, dot[s]);
+      }
+    }
+    for (int s = 0; s < Sub; ++s) score[g0 + s][t] = _mm512_reduce_add_ps(dot[s]) * p.scale;
+#else
+    for (int s = 0; s < Sub; ++s) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) dot += q.f32[g0 + s][d] * to_float<Dt>(p.k_cache, row[t] + d);
+      score[g0 + s][t] = dot * p.scale;
+    }
+#endif
+  }
+}
+
+// acc_(g0 + s) += sum_t weight[g0 + s][t] * v_t, each 16 lanes of the Sub accumulators held in registers
+// over the tile (split in independent sums when Sub is small, to hide the FMA latency).
+template <int Dt, int Sub>
+void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t count, const Scores& weight,
+                     float* acc) {
+  const int64_t dim = p.head_dim;
+  for (int64_t d = 0; d < dim; d += 16) {
+#ifdef STRATA_AVX512
+    constexpr int kSets = Sub >= 4 ? 1 : 4 / Sub;
+    const __mmask16 mask = lanes(dim - d);
+    __m512 sums[kSets][Sub];
+    for (int u = 0; u < kSets; ++u)
+      for (int s = 0; s < Sub; ++s)
+        sums[u][s] = u == 0 ? _mm512_load_ps(acc + (g0 + s) * kMaxHeadDim + d) : _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + kSets <= count; t += kSets)
+      for (int u = 0; u < kSets; ++u) {
+        const __m512 v = load16<Dt>(p.v_cache, row[t + u] + d, mask);
+        for (int s = 0; s < Sub; ++s)
+          sums[u][s] = _mm512_fmadd_ps(_mm512_set1_ps(weight[g0 + s][t + u]), v, sums[u][s]);
+      }
+    for (; t < count; ++t) {
+      const __m512 v = load16<Dt>(p.v_cache, row[t] + d, mask);
+      for (int s = 0; s < Sub; ++s) sums[0][s] = _mm512_fmadd_ps(_mm512_set1_ps(weight[g0 + s][t]), v, sums[0][s]);
+    }
+    for (int s = 0; s < Sub; ++s) {
+      for (int u = 1; u < kSets; ++u) sums[0][s] = _mm512_add_ps(sums[0][s], sums[u][s]);
+      _mm512_store_ps(acc + (g0 + s) * kMaxHeadDim + d, sums[0][s]);
+    }
+#else
+    const int64_t width = std::min<int64_t>(16, dim - d);
+    for (int s = 0; s < Sub; ++s)
+      for (int64_t t = 0; t < count; ++t)
+        for (int64_t i = 0; i < width; ++i)
+          acc[(g0 + s) * kMaxHeadDim + d + i] += weight[g0 + s][t] * to_float<Dt>(p.v_cache, row[t] + d + i);
+#endif
+  }
+}
+
+// Both tile passes over the group, in sub-groups of 8, 4, 2 and 1 heads (their K/V rows are in cache
+// after the first).
+template <int Dt>
+void score_group(const Problem& p, const Query& q, int64_t group, const int64_t* row, int64_t count, Scores& score) {
+  for (int64_t g0 = 0; g0 < group;) {
+    const int64_t left = group - g0;
+    if (left >= 8) { score_tile<Dt, 8>(p, q, g0, row, count, score); g0 += 8; }
+    else if (left >= 4) { score_tile<Dt, 4>(p, q, g0, row, count, score); g0 += 4; }
+    else if (left >= 2) { score_tile<Dt, 2>(p, q, g0, row, count, score); g0 += 2; }
+    else { score_tile<Dt, 1>(p, q, g0, row, count, score); g0 += 1; }
+  }
+}
+
+template <int Dt>
+void accumulate_group(const Problem& p, int64_t group, const int64_t* row, int64_t count, const Scores& weight,
+                      float* acc) {
+  for (int64_t g0 = 0; g0 < group;) {
+    const int64_t left = group - g0;
+    if (left >= 8) { accumulate_tile<Dt, 8>(p, g0, row, count, weight, acc); g0 += 8; }
+    else if (left >= 4) { accumulate_tile<Dt, 4>(p, g0, row, count, weight, acc); g0 += 4; }
+    else if (left >= 2) { accumulate_tile<Dt, 2>(p, g0, row, count, weight, acc); g0 += 2; }
+    else { accumulate_tile<Dt, 1>(p, g0, row, count, weight, acc); g0 += 1; }
+  }
+}
+
+// Online softmax over one tile: rescale what came before to the new max, turn the scores into weights.
+void softmax_tile(int64_t group, int64_t dim, int64_t count, Scores& score, Partial& part) {
+  for (int64_t g = 0; g < group; ++g) {
+    float tile_max = score[g][0];
+    for (int64_t t = 1; t < count; ++t) tile_max = std::max(tile_max, score[g][t]);
+    const float new_max = std::max(part.max[g], tile_max);
+    const float rescale = std::exp(part.max[g] - new_max);
+    part.max[g] = new_max;
+    float tile_sum = 0.0f;
+#ifdef STRATA_AVX512
+    for (int64_t t = 0; t < count; t += 16) {
+      const __mmask16 mask = lanes(count - t);
+      const __m512 s = _mm512_maskz_loadu_ps(mask, score[g] + t);
+      const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_mask_storeu_ps(score[g] + t, mask, w);
+      tile_sum += _mm512_reduce_add_ps(w);
+    }
+#else
+    for (int64_t t = 0; t < count; ++t) {
+      score[g][t] = std::exp(score[g][t] - new_max);
+      tile_sum += score[g][t];
+    }
+#endif
+    part.sum[g] = part.sum[g] * rescale + tile_sum;
+    if (rescale != 1.0f)
+      for (int64_t d = 0; d < dim; ++d) part.acc[g * kMaxHeadDim + d] *= rescale;
+  }
+}
+
 // Attend the query heads of (req, kv_head) over context positions [lo, hi).
 template <int Dt>
 void attend_chunk(const Problem& p, int64_t req, int64_t kv_head, int64_t lo, int64_t hi, Partial& part) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dim = p.head_dim;
+  const int64_t row_bytes = dim * element_size<Dt>();
   const int64_t row_stride = p.num_kv_heads * dim;  // elements between consecutive tokens
   const int64_t* table = p.block_tables + req * p.table_stride;
+  const int64_t tile = std::clamp<int64_t>(kTileBytes / row_bytes, 8, kMaxTile);
 
-  // Scaled query rows of the group in float32, rows kMaxHeadDim apart (zero past dim, as acc's rows).
-  alignas(64) float q[kMaxGroup * kMaxHeadDim] = {};
+  alignas(64) Query q;
+  const int64_t padded_dim = (dim + 31) / 32 * 32;  // what the dot products read
   for (int64_t g = 0; g < group; ++g) {
     const int64_t base = req * p.q_stride_req + (kv_head * group + g) * p.q_stride_head;
-    for (int64_t d = 0; d < dim; ++d) q[g * kMaxHeadDim + d] = to_float<Dt>(p.q, base + d) * p.scale;
+    for (int64_t d = 0; d < padded_dim; ++d) q.f32[g][d] = d < dim ? to_float<Dt>(p.q, base + d) : 0.0f;
+    const uint16_t* raw = static_cast<const uint16_t*>(p.q) + base;  // read only when q is bfloat16
+    for (int64_t d = 0; d < padded_dim; ++d) q.bf16[g][d] = Dt == kBFloat16 && d < dim ? raw[d] : 0;
     part.max[g] = -INFINITY;
     part.sum[g] = 0.0f;
   }
@@ -144,90 +287,28 @@ void attend_chunk(const Problem& p, int64_t req, int64_t kv_head, int64_t lo, in
 
   // Element offsets of the rows (K and V share them) of the tile's tokens and of the next tile's.
   auto find_rows = [&](int64_t start, int64_t* rows) {
-    for (int64_t t = 0; t < std::min(kTile, hi - start); ++t) {
+    for (int64_t t = 0; t < std::min(tile, hi - start); ++t) {
       const int64_t pos = start + t;
       rows[t] = (table[pos / p.block_size] * p.block_size + pos % p.block_size) * row_stride + kv_head * dim;
     }
   };
-  int64_t rows_a[kTile], rows_b[kTile];
+  int64_t rows_a[kMaxTile], rows_b[kMaxTile];
   int64_t *row = rows_a, *next_row = rows_b;
   find_rows(lo, row);
-  alignas(64) float score[kMaxGroup][kTile];
-  for (int64_t start = lo; start < hi; start += kTile) {
-    const int64_t count = std::min(kTile, hi - start);
+  alignas(64) Scores score;
+  for (int64_t start = lo; start < hi; start += tile) {
+    const int64_t count = std::min(tile, hi - start);
     // Blocks are scattered over the pool: ask for the next tile's K rows and this tile's V rows early.
-    const int64_t next_count = std::min(kTile, hi - start - kTile);
-    if (next_count > 0) find_rows(start + kTile, next_row);
-    for (int64_t t = 0; t < std::max<int64_t>(count, next_count); ++t)
-      for (int64_t line = 0; line < dim * element_size<Dt>(); line += 64) {
+    const int64_t next_count = std::min(tile, hi - start - tile);
+    if (next_count > 0) find_rows(start + tile, next_row);
+    for (int64_t t = 0; t < std::max(count, next_count); ++t)
+      for (int64_t line = 0; line < row_bytes; line += 64) {
         if (t < next_count) prefetch(static_cast<const char*>(p.k_cache) + next_row[t] * element_size<Dt>() + line);
         if (t < count) prefetch(static_cast<const char*>(p.v_cache) + row[t] * element_size<Dt>() + line);
       }
-    // score[g][t] = q_g . k_t
-    for (int64_t t = 0; t < count; ++t) {
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q_g = q + g * kMaxHeadDim;
-#ifdef STRATA_AVX512
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16)
-          dot = _mm512_fmadd_ps(_mm512_load_ps(q_g + d), load16<Dt>(p.k_cache, row[t] + d, lanes(dim - d)), dot);
-        score[g][t] = _mm512_reduce_add_ps(dot);
-#else
-        float dot = 0.0f;
-        for (int64_t d = 0; d < dim; ++d) dot += q_g[d] * to_float<Dt>(p.k_cache, row[t] + d);
-        score[g][t] = dot;
-#endif
-      }
-    }
-    // Online softmax: rescale what came before to the new max, turn scores into weights.
-    for (int64_t g = 0; g < group; ++g) {
-      float tile_max = score[g][0];
-      for (int64_t t = 1; t < count; ++t) tile_max = std::max(tile_max, score[g][t]);
-      const float new_max = std::max(part.max[g], tile_max);
-      const float rescale = std::exp(part.max[g] - new_max);
-      part.max[g] = new_max;
-      float tile_sum = 0.0f;
-#ifdef STRATA_AVX512
-      for (int64_t t = 0; t < count; t += 16) {
-        const __mmask16 mask = count - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - t)) - 1);
-        const __m512 s = _mm512_maskz_loadu_ps(mask, score[g] + t);
-        const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-        _mm512_mask_storeu_ps(score[g] + t, mask, w);
-        tile_sum += _mm512_reduce_add_ps(w);
-      }
-#else
-      for (int64_t t = 0; t < count; ++t) {
-        score[g][t] = std::exp(score[g][t] - new_max);
-        tile_sum += score[g][t];
-      }
-#endif
-      part.sum[g] = part.sum[g] * rescale + tile_sum;
-      if (rescale != 1.0f)
-        for (int64_t d = 0; d < dim; ++d) part.acc[g * kMaxHeadDim + d] *= rescale;
-    }
-    // acc_g += sum_t w[g][t] * v_t, each 16 lanes of acc_g kept in registers over the tile
-    for (int64_t g = 0; g < group; ++g) {
-      const float* weight = score[g];
-      for (int64_t d = 0; d < dim; d += 16) {
-        float* acc = part.acc + g * kMaxHeadDim + d;
-#ifdef STRATA_AVX512
-        const __mmask16 mask = lanes(dim - d);
-        __m512 sums[4] = {_mm512_load_ps(acc), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        int64_t t = 0;
-        for (; t + 4 <= count; t += 4)
-          for (int64_t u = 0; u < 4; ++u)
-            sums[u] = _mm512_fmadd_ps(_mm512_set1_ps(weight[t + u]), load16<Dt>(p.v_cache, row[t + u] + d, mask),
-                                      sums[u]);
-        for (; t < count; ++t)
-          sums[0] = _mm512_fmadd_ps(_mm512_set1_ps(weight[t]), load16<Dt>(p.v_cache, row[t] + d, mask), sums[0]);
-        _mm512_store_ps(acc, _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])));
-#else
-        const int64_t width = std::min<int64_t>(16, dim - d);
-        for (int64_t t = 0; t < count; ++t)
-          for (int64_t i = 0; i < width; ++i) acc[i] += weight[t] * to_float<Dt>(p.v_cache, row[t] + d + i);
-#endif
-      }
-    }
+    score_group<Dt>(p, q, group, row, count, score);
+    softmax_tile(group, dim, count, score, part);
+    accumulate_group<Dt>(p, group, row, count, score, part.acc);
     std::swap(row, next_row);
   }
 }
@@ -271,7 +352,8 @@ void run(const Problem& p, int64_t min_chunk_tokens) {
     total_span += p.seq_lens[r] - first[r];
   }
   const int64_t target_items = kItemsPerThread * omp_get_max_threads();
-  const int64_t chunk_tokens = std::max(min_chunk_tokens, (total_span * p.num_kv_heads + target_items - 1) / target_items);
+  const int64_t chunk_tokens =
+      std::max(min_chunk_tokens, (total_span * p.num_kv_heads + target_items - 1) / target_items);
   for (int64_t r = 0; r < p.num_reqs; ++r) {
     const int64_t span = p.seq_lens[r] - first[r];
     chunk_start[r + 1] = chunk_start[r] + std::max<int64_t>(1, (span + chunk_tokens - 1) / chunk_tokens);
