@@ -1,6 +1,8 @@
 """`strata bench overhead`: what serving costs. The same requests run twice in one invocation:
 through the whole stack (gateway → engine gRPC → tokenizer detokenize → SSE, streamed by
-concurrent clients) and in-process on the engine alone; output tokens/s of both and their ratio.
+concurrent clients) and in-process on the engine alone; output tokens/s of both and their ratio,
+and the median time per output token (TPOT, after the first) of both: at one stream the in-process
+TPOT is the engine's decode step, so their ratio is what the stack adds per token.
 
 Both runs use the same engine settings, with `--max-num-seqs` set to `--max-concurrency`, so the
 in-process engine batches as many requests as the clients keep in flight. Requests are token-id
@@ -12,6 +14,7 @@ import argparse
 import asyncio
 import gc
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -47,19 +50,34 @@ def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [length(args.output_len) for _ in prompts]
 
 
-def run_in_process(config, prompts, output_lens) -> tuple[int, float]:
+def run_in_process(config, prompts, output_lens) -> tuple[int, float, float]:
+    """Output tokens, seconds, and the median TPOT over requests (as a streaming client sees it:
+    from each request's first token to its last)."""
     from services.engine.llm import LLM
     from services.engine.sampling_params import SamplingParams
 
     llm = LLM(config)
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    core = llm.core
+    first_at, last_at, num_tokens = {}, {}, {}
     started = time.perf_counter()
-    completions = llm.generate(prompts, params)
-    return sum(len(c.token_ids) for c in completions), time.perf_counter() - started
+    for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
+        core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    while core.has_unfinished_requests():
+        outputs = core.step()
+        now = time.perf_counter()
+        for output in outputs:
+            if output.new_token_ids:
+                first_at.setdefault(output.request_id, now)
+                last_at[output.request_id] = now
+                num_tokens[output.request_id] = num_tokens.get(output.request_id, 0) + len(output.new_token_ids)
+    seconds = time.perf_counter() - started
+    tpots = [(last_at[r] - first_at[r]) / (n - 1) for r, n in num_tokens.items() if n > 1]
+    return sum(num_tokens.values()), seconds, statistics.median(tpots) if tpots else 0.0
 
 
-async def _stream_all(base_url: str, model: str, prompts, output_lens, concurrency: int) -> tuple[int, float, int]:
+async def _stream_all(base_url: str, model: str, prompts, output_lens,
+                      concurrency: int) -> tuple[int, float, float, int]:
     from services.bench.client import RequestSettings, open_session
     from services.bench.datasets import BenchRequest
     from services.bench.runner import RunPlan, send_all
@@ -70,11 +88,14 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens, concurren
     async with open_session(600) as session:
         await send_all(session, settings, requests[:2], RunPlan(max_concurrency=2))  # warm-up
         outputs, seconds = await send_all(session, settings, requests, RunPlan(max_concurrency=concurrency))
-    failed = sum(not o.success for o in outputs)
-    return sum(o.output_tokens for o in outputs if o.success), seconds, failed
+    done = [o for o in outputs if o.success]
+    tpots = [o.tpot for o in done if o.output_tokens > 1]
+    return (sum(o.output_tokens for o in done), seconds, statistics.median(tpots) if tpots else 0.0,
+            len(outputs) - len(done))
 
 
-def run_through_stack(config, engine_argv: list[str], prompts, output_lens, concurrency: int) -> tuple[int, float, int]:
+def run_through_stack(config, engine_argv: list[str], prompts, output_lens,
+                      concurrency: int) -> tuple[int, float, float, int]:
     from services.launcher import Stack, StackConfig, find_free_port
 
     with tempfile.TemporaryDirectory() as logs:
@@ -93,6 +114,10 @@ def _engine_argv(config) -> list[str]:
         argv += ["--num-kv-blocks", str(config.num_kv_blocks)]
     if not config.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if config.num_threads is not None:
+        argv += ["--num-threads", str(config.num_threads)]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
     return argv
 
 
@@ -113,14 +138,16 @@ def _run(args) -> int:
     prompts, output_lens = make_workload(args, load_model_config(config.model).vocab_size)
     print(f"{len(prompts)} requests, {sum(output_lens)} output tokens, concurrency {args.max_concurrency}",
           file=sys.stderr)
-    engine_tokens, engine_s = run_in_process(config, prompts, output_lens)
+    engine_tokens, engine_s, engine_tpot = run_in_process(config, prompts, output_lens)
     gc.collect()
-    stack_tokens, stack_s, failed = run_through_stack(config, _engine_argv(config), prompts, output_lens,
-                                                      args.max_concurrency)
+    stack_tokens, stack_s, stack_tpot, failed = run_through_stack(config, _engine_argv(config), prompts,
+                                                                  output_lens, args.max_concurrency)
     engine_tps, stack_tps = engine_tokens / engine_s, stack_tokens / stack_s
     print("============ Serving overhead: output tokens/s ============")
-    print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}")
-    print(f"{'engine in-process':<26}{engine_tokens:>8}{engine_s:>9.2f}{engine_tps:>9.1f}")
-    print(f"{'gateway, streamed':<26}{stack_tokens:>8}{stack_s:>9.2f}{stack_tps:>9.1f}")
-    print(f"gateway / engine: {stack_tps / engine_tps:.2f}x" + (f"  ({failed} requests failed)" if failed else ""))
+    print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
+    print(f"{'engine in-process':<26}{engine_tokens:>8}{engine_s:>9.2f}{engine_tps:>9.1f}{engine_tpot * 1e3:>9.2f}")
+    print(f"{'gateway, streamed':<26}{stack_tokens:>8}{stack_s:>9.2f}{stack_tps:>9.1f}{stack_tpot * 1e3:>9.2f}")
+    print(f"gateway / engine: {stack_tps / engine_tps:.2f}x tok/s, "
+          f"{stack_tpot / engine_tpot if engine_tpot else float('nan'):.2f}x TPOT "
+          f"(+{(stack_tpot - engine_tpot) * 1e3:.2f} ms per token)" + (f"  ({failed} requests failed)" if failed else ""))
     return 1 if failed else 0

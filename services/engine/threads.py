@@ -17,9 +17,13 @@ and by the launcher for its engine children:
 import os
 from collections.abc import Mapping
 
-# Spins before an idle OpenMP thread sleeps: ~0.1 ms on a 3 GHz core, longer than the gaps between
-# the parallel regions of one step, far shorter than a scheduler's time slice.
-OPENMP_SPIN_COUNT = 10_000
+# Spins before an idle OpenMP thread sleeps. One spin (a PAUSE and a load) took ~160 ns on the
+# 2-vCPU Zen 4 VM this was tuned on, so libgomp's 300,000 spin ~50 ms and 10,000 still ~1.7 ms, longer
+# than a small model's whole step; 1,000 (~0.2 ms there, less on bare metal) bridges the gaps between
+# the parallel regions of one step and lets the core go soon after it. Measured there, one stream
+# through `strata up` on the tiny model: the engine used 18-20 ms of CPU per token at 10,000, 9-14
+# at 1,000, 9-11 at 0 (passive).
+OPENMP_SPIN_COUNT = 1_000
 _WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
