@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from services.engine.cpu_kernels.linear import PANEL, block_weight, can_run, linear_ref, small_m_linear
+from services.engine.cpu_kernels.linear import (PANEL, block_weight, can_run, linear_ref, small_m_linear,
+                                                unblock_weight)
 
 pytestmark = pytest.mark.skipif(not can_run(torch.float32), reason="no C++ compiler for the native CPU kernels")
 
@@ -61,6 +62,13 @@ def test_block_layout_float32_and_bfloat16():
     assert blocked16[:, 1, :, 1].count_nonzero() == 0  # K padded to pairs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(7, 5), (123, 1023), (32, 16)])
+def test_unblock_gives_the_weight_back(dtype, n, k):
+    weight = torch.randn(n, k).to(dtype)
+    torch.testing.assert_close(unblock_weight(block_weight(weight), n, k), weight, rtol=0, atol=0)
+
+
 def test_rejects_mismatched_arguments():
     x, weight, b = _case(2, 32, 16, torch.float32, bias=True)
     blocked = block_weight(weight)
@@ -77,8 +85,15 @@ def test_rejects_mismatched_arguments():
 def test_compiled_caller_sees_an_opaque_op():
     x, weight, b = _case(3, 40, 24, torch.float32, bias=True)
     blocked = block_weight(weight)
-    compiled = torch.compile(lambda t: torch.relu(small_m_linear(t, blocked, b, 40)), backend="eager", fullgraph=True)
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        return graph_module
+
+    compiled = torch.compile(lambda t: torch.relu(small_m_linear(t, blocked, b, 40)), backend=record, fullgraph=True)
     torch.testing.assert_close(compiled(x), torch.relu(linear_ref(x, weight, b)), **TOLERANCES[torch.float32])
+    assert len(graphs) == 1 and "torch.ops.strata.small_m_linear" in graphs[0]
 
 
 def test_custom_op_registration():

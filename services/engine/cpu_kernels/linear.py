@@ -51,10 +51,24 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL, k_pairs, 2).transpose(1, 2).contiguous()
 
 
-@torch.library.custom_op("strata::small_m_linear", mutates_args=())
+def unblock_weight(blocked: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The ``[out_features, in_features]`` weight that ``block_weight`` laid out (a new tensor)."""
+    num_panels = blocked.shape[0]
+    rows = blocked.transpose(1, 2).reshape(num_panels * PANEL, -1)  # bfloat16: the pairs flatten back to K
+    return rows[:out_features, :in_features].contiguous()
+
+
 def small_m_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x [M, K] @ W^T + bias -> [M, out_features]``, ``W`` given as ``block_weight(W)``; any ``M``, but
-    it beats oneDNN only for a few rows. ``x`` may be a row-strided view; a column-strided one is copied."""
+    it beats oneDNN only for a few rows. ``x`` may be a row-strided view; a column-strided one is copied.
+    Eager callers run the kernel directly (the custom op's dispatch costs more than a small layer);
+    a ``torch.compile``d caller gets the opaque op ``strata::small_m_linear``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.strata.small_m_linear(x, blocked, bias, out_features)
+    return _launch(x, blocked, bias, out_features)
+
+
+def _launch(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     library = _library()
     if library is None:
         raise RuntimeError("the native CPU linear kernel is not available here (no C++ compiler?); check can_run()")
@@ -62,7 +76,7 @@ def small_m_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | 
     dtype = blocked.dtype
     expected_blocked = ((-(-out_features // PANEL), k, PANEL) if dtype == torch.float32
                         else (-(-out_features // PANEL), -(-k // 2), PANEL, 2))
-    if x.dtype != dtype or tuple(blocked.shape) != expected_blocked or not blocked.is_contiguous():
+    if x.dtype != dtype or blocked.shape != expected_blocked or not blocked.is_contiguous():
         raise ValueError(f"small_m_linear: x {x.dtype} {tuple(x.shape)} does not fit the blocked weight "
                          f"{dtype} {tuple(blocked.shape)} of {out_features} outputs (expected {expected_blocked})")
     if bias is not None and (bias.dtype != dtype or bias.shape != (out_features,) or not bias.is_contiguous()):
@@ -78,7 +92,10 @@ def small_m_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | 
     return y
 
 
-@small_m_linear.register_fake
+_op = torch.library.custom_op("strata::small_m_linear", _launch, mutates_args=())
+
+
+@_op.register_fake
 def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 

@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         prepacked weights (see ``packed_linear``)."""
         pack_linears(self)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None, weight_is_shared=True)
 
     def checkpoint_sources(self) -> dict[str, list[str]]:
         """For each parameter, the checkpoint tensors concatenated (along dim 0) to fill it."""

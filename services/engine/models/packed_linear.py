@@ -1,22 +1,34 @@
-"""Linear layers with their weights prepacked once for oneDNN, for the CPU.
+"""Linear layers with their weights laid out once, at load time, for the CPU's kernels.
 
-A plain ``F.linear`` on the CPU re-lays the weight out into the GEMM's blocked format at every call;
-at decode batch sizes (tens of rows) that repacking is a large part of the step. oneDNN's prepacked
-weights skip it: measured on a 2-core Xeon, float32 ``[64, 512] x [512, 2752]`` went from 246 to 287
-GFLOPS and ``[16, 512] x [512, 1024]`` from 119 to 244; bfloat16 (AMX) ``[64, 1376] x [1376, 512]``
-from 951 to 1592.
+Two layouts, each for the batch sizes where it is faster:
 
-With a handful of rows, float32 is faster on the plain kernel (batch-1 decode of the small shape:
-109 tok/s plain, 93 packed), so float32 keeps the original weight for those, at the cost of the
-weights' memory once more. bfloat16 is faster packed at any batch (133 vs 103 tok/s at batch 1), so
-its original weight is dropped and memory stays what it was.
+- **Few rows** (decode at small batch, at most ``NATIVE_MAX_ROWS``): the native kernel of
+  ``cpu_kernels/linear`` on a weight blocked in panels of 16 outputs. With a few rows a projection
+  reads its whole weight for two FLOPs per element, so it runs at the speed the weight streams from
+  memory, and the native kernel streams it faster than oneDNN.
+  MEASURED_FEW_ROWS
+- **More rows**: oneDNN's prepacked weights (``torch.ops.mkldnn._linear_pointwise``). A plain
+  ``F.linear`` re-lays the weight out into the GEMM's blocked format at every call; oneDNN's prepacked
+  weights skip it: measured on a 2-core Xeon, float32 ``[64, 512] x [512, 2752]`` went from 246 to 287
+  GFLOPS and ``[16, 512] x [512, 1024]`` from 119 to 244; bfloat16 (AMX) ``[64, 1376] x [1376, 512]``
+  from 951 to 1592.
+
+Memory: two copies of each weight, the blocked one and the oneDNN one; the original is dropped. A tied
+logits weight stays alive as the embedding, so its layer keeps that as its second copy and runs its
+larger batches through ``F.linear`` on it instead of a third, oneDNN copy.
+
+Without the native kernel (no C++ compiler) everything runs on oneDNN, except float32 with fewer than
+``PACKED_MIN_ROWS`` rows, which is faster on the plain kernel and keeps the original weight for it.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_MIN_ROWS = 4  # float32 with fewer rows than this runs the plain kernel
+from services.engine.cpu_kernels import linear as native_linear
+
+NATIVE_MAX_ROWS = 16  # up to this many rows the native kernel runs, more run on oneDNN
+PACKED_MIN_ROWS = 4  # without the native kernel, float32 with fewer rows than this runs the plain kernel
 _PLAIN_FOR_FEW_ROWS = (torch.float32,)
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -27,18 +39,34 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` prepacked; ``x: [M, in]``."""
+    """``y = x W^T + b``, ``x: [M, in]``, with ``W`` laid out for the native kernel (few rows) and for
+    oneDNN (more rows). ``weight_is_shared``: the caller keeps ``W`` alive anyway (a tied embedding)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, weight_is_shared: bool = False) -> None:
         super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        # [out, in], shared with the module it replaces; only float32 keeps it, for few rows
-        self.weight = weight if weight.dtype in _PLAIN_FOR_FEW_ROWS else None
+        self.out_features, self.in_features = weight.shape
         self.bias = bias
+        # [ceil(out / 16), in, 16] (bfloat16: [ceil(out / 16), ceil(in / 2), 16, 2]), or None
+        self.blocked = native_linear.block_weight(weight) if native_linear.can_run(weight.dtype) else None
+        uses_original = weight_is_shared or (self.blocked is None and weight.dtype in _PLAIN_FOR_FEW_ROWS)
+        self.original = weight if uses_original else None  # [out, in], the caller's tensor
+        has_two_copies = self.blocked is not None and self.original is not None
+        self.packed = None if has_two_copies else torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """``W [out, in]``, for inspection: the caller's tensor where it is kept, else rebuilt from the
+        blocked copy (a new tensor); None where only oneDNN's opaque copy is kept."""
+        if self.original is not None or self.blocked is None:
+            return self.original
+        return native_linear.unblock_weight(self.blocked, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None and x.shape[0] < PACKED_MIN_ROWS:
-            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        if self.blocked is not None and rows <= NATIVE_MAX_ROWS:
+            return native_linear.small_m_linear(x, self.blocked, self.bias, self.out_features)
+        if self.packed is None or (self.original is not None and rows < PACKED_MIN_ROWS):
+            return F.linear(x, self.original, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
