@@ -25,7 +25,7 @@ from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import KvEventBuffer, NatsPublisher, report_load
 from services.engine.protocol import output_to_proto, sampling_params_from_proto
-from services.engine.threads import set_num_threads
+from services.engine.threads import openmp_wait_description, set_num_threads
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     grpc_thread.start()
-    log.info("engine %s runs its kernels on %d threads", config.replica_id, set_num_threads(config.num_threads))
+    log.info("engine %s: %d kernel threads, OpenMP wait %s", config.replica_id, set_num_threads(config.num_threads),
+             openmp_wait_description())
     core = EngineCore(config, event_sink=events.buffer if events else None)
     core.warmup()
     if not stopping.is_set():

@@ -41,6 +41,12 @@ def use_openmp_wait_policy() -> None:
     os.environ.update(openmp_wait_env(os.environ))
 
 
+def openmp_wait_description() -> str:
+    """The wait policy in this process's environment, for its log."""
+    named = [f"{name}={os.environ[name]}" for name in _WAIT_POLICY_VARIABLES if name in os.environ]
+    return " ".join(named) or "libgomp's default"
+
+
 def usable_cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0))

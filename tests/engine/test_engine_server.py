@@ -2,6 +2,7 @@
 errors as status codes, cancellation freeing KV blocks, and draining on SIGTERM."""
 
 import itertools
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.pb import engine_pb2, engine_pb2_grpc
+from services.engine.threads import OPENMP_SPIN_COUNT, openmp_wait_env
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -31,7 +33,7 @@ class EngineProcess:
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.engine", "--model", str(model_dir), "--port", str(port),
-                 "--num-kv-blocks", "256", "--max-num-seqs", "8", "--shutdown-timeout", "20", *extra_args],
+                 "--num-kv-blocks", "256", "--max-num-seqs", "8", "--enforce-eager", "--shutdown-timeout", "20", *extra_args],
                 stdout=log, stderr=subprocess.STDOUT)
         # Reconnect quickly, so polling sees the server as soon as it listens (during the model load).
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
@@ -66,7 +68,8 @@ class EngineProcess:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir, tmp_path_factory, free_port_factory):
-    server = EngineProcess(default_model_dir, free_port_factory(), tmp_path_factory.mktemp("engine") / "engine.log")
+    server = EngineProcess(default_model_dir, free_port_factory(), tmp_path_factory.mktemp("engine") / "engine.log",
+                           ("--num-threads", "1"))
     server.statuses = server.wait_serving()
     yield server
     server.close()
@@ -75,6 +78,13 @@ def engine(default_model_dir, tmp_path_factory, free_port_factory):
 def test_health_not_serving_until_loaded_then_serving(engine):
     assert engine.statuses[0] == NOT_SERVING, "health must say NOT_SERVING while the model loads"
     assert engine.statuses[-1] == SERVING
+
+
+def test_the_engine_runs_its_num_threads_with_the_short_openmp_spin(engine):
+    log = engine.log_path.read_text()
+    assert "engine-0: 1 kernel threads, OpenMP wait " in log
+    if openmp_wait_env(os.environ):  # else this environment names its own policy, which the engine keeps
+        assert f"OpenMP wait GOMP_SPINCOUNT={OPENMP_SPIN_COUNT}\n" in log
 
 
 def test_reflection_lists_the_engine_service(engine):
