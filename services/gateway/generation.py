@@ -72,7 +72,7 @@ class _Detokenizer:
     need not wait for the previous reply: one task may write while another reads."""
 
     def __init__(self, upstream: Upstream, prompt_ids: list[int], skip_special_tokens: bool) -> None:
-        self._call = upstream.tokenizer.Detokenize(timeout=upstream.generate_timeout_s)
+        self._call = upstream.detokenize()
         self._first = tokenizer_pb2.DetokenizeRequest(
             skip_special_tokens=skip_special_tokens,
             prefix_token_ids=prompt_ids[-_DETOKENIZE_PREFIX_IDS:])
@@ -136,7 +136,7 @@ async def _feed(generate, detokenizer: _Detokenizer, outputs: asyncio.Queue) -> 
 
 async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
                      eos_token_ids: frozenset[int]) -> AsyncIterator[Step]:
-    generate = upstream.engine.Generate(spec.request, timeout=upstream.generate_timeout_s)
+    generate = upstream.generate(spec.request)
     detokenizer = _Detokenizer(upstream, spec.prompt_ids, params.skip_special_tokens)
     outputs: asyncio.Queue = asyncio.Queue()
     feeder = asyncio.create_task(_feed(generate, detokenizer, outputs))

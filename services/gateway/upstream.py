@@ -1,7 +1,9 @@
 """The gateway's async gRPC clients to the tokenizer and the engine (or a router in front of
 engines). Every unary call has a deadline; a failure becomes an ``OpenAIError`` (INVALID_ARGUMENT
--> 400, UNAVAILABLE -> 503, ...). Streaming calls are opened by ``generation.py``, which owns
-their cancellation.
+-> 400, UNAVAILABLE -> 503, ...). Streaming calls are opened here and consumed by
+``generation.py``, which owns their cancellation. Every call carries the trace context in its
+metadata itself, not through channel interceptors: grpc.aio relays each message of an intercepted
+stream through an extra queue and task, a cost paid per generated token.
 """
 
 import asyncio
@@ -9,8 +11,8 @@ import json
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import propagate
 
-from services.common import telemetry
 from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway import errors
 from services.gateway.validation import MAX_TOP_LOGPROBS, ModelFacts
@@ -27,10 +29,8 @@ class Upstream:
 
     def __init__(self, tokenizer_addr: str, engine_addr: str, served_model_name: str | None = None,
                  rpc_timeout_s: float = 30.0, generate_timeout_s: float = 3600.0) -> None:
-        self._tokenizer_channel = grpc.aio.insecure_channel(tokenizer_addr, options=_CHANNEL_OPTIONS,
-                                                            interceptors=telemetry.client_interceptors())
-        self._engine_channel = grpc.aio.insecure_channel(engine_addr, options=_CHANNEL_OPTIONS,
-                                                         interceptors=telemetry.client_interceptors())
+        self._tokenizer_channel = grpc.aio.insecure_channel(tokenizer_addr, options=_CHANNEL_OPTIONS)
+        self._engine_channel = grpc.aio.insecure_channel(engine_addr, options=_CHANNEL_OPTIONS)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel)
         self.engine = engine_pb2_grpc.EngineStub(self._engine_channel)
         self.rpc_timeout_s = rpc_timeout_s
@@ -39,6 +39,14 @@ class Upstream:
         self._facts: ModelFacts | None = None
         self._token_texts: dict[int, str] = {}
         self._decode_slots = asyncio.Semaphore(_MAX_CONCURRENT_DECODES)
+
+    def generate(self, request: engine_pb2.GenerateRequest):
+        """The engine's Generate stream for ``request``."""
+        return self.engine.Generate(request, timeout=self.generate_timeout_s, metadata=_trace_metadata())
+
+    def detokenize(self):
+        """A Detokenize bidi stream to the tokenizer."""
+        return self.tokenizer.Detokenize(timeout=self.generate_timeout_s, metadata=_trace_metadata())
 
     async def close(self) -> None:
         await asyncio.gather(self._tokenizer_channel.close(), self._engine_channel.close())
@@ -60,7 +68,7 @@ class Upstream:
     async def load(self) -> engine_pb2.LoadResponse | None:
         """The engine's current load and cache counters; None when it does not answer in time."""
         try:
-            return await self.engine.Load(engine_pb2.LoadRequest(), timeout=2.0)
+            return await self.engine.Load(engine_pb2.LoadRequest(), timeout=2.0, metadata=_trace_metadata())
         except grpc.RpcError:
             return None
 
@@ -107,6 +115,13 @@ class Upstream:
 
     async def _unary(self, upstream: str, method, request, timeout_s: float | None = None):
         try:
-            return await method(request, timeout=timeout_s or self.rpc_timeout_s)
+            return await method(request, timeout=timeout_s or self.rpc_timeout_s, metadata=_trace_metadata())
         except grpc.RpcError as error:
             raise errors.from_grpc(error, upstream) from None
+
+
+def _trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The current trace context (``traceparent``) as gRPC metadata; empty outside a trace."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
