@@ -4,9 +4,10 @@
 // that one 64-byte load feeds all 16 outputs of a panel:
 //   float32:  [panels, K, 16]
 //   bfloat16: [panels, K_pairs, 16, 2] (K padded to even with zeros): pairs for _mm512_dpbf16_ps.
-// Each thread streams through a contiguous run of panels, holding up to kRowsPerPass rows of x against
-// one panel in registers, so M rows cost one pass over the weights (more rows re-read the panel from
-// cache, not from memory).
+// x is first packed (tiny, once per call) in passes of kRowsPerPass rows interleaved along K, so the
+// inner loop broadcasts each row's element from one pointer. Each thread streams through a contiguous
+// run of panels, holding a pass of rows against one panel in registers: M rows cost one pass over the
+// weights (more rows re-read the panel from cache, not from memory).
 
 #include <algorithm>
 #include <cstdint>
@@ -46,16 +47,16 @@ inline void prefetch(const void* p) {
 #endif
 }
 
-// acc[i][o] = sum_k x_rows[i][k] * panel[k][o]
+// acc[i][o] = sum_k x_pass[k][i] * panel[k][o]; x_pass: [k][MR]
 template <int MR>
-void panel_f32(const float* const* x_rows, const float* panel, int64_t k, float (*acc)[kPanel]) {
+void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel]) {
 #ifdef __AVX512F__
     __m512 sum[MR];
     for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; ++kk) {
         prefetch(panel + kk * kPanel);
         __m512 w = _mm512_loadu_ps(panel + kk * kPanel);
-        for (int i = 0; i < MR; ++i) sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_rows[i][kk]), w, sum[i]);
+        for (int i = 0; i < MR; ++i) sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[kk * MR + i]), w, sum[i]);
     }
     for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], sum[i]);
 #else
@@ -63,26 +64,26 @@ void panel_f32(const float* const* x_rows, const float* panel, int64_t k, float 
     for (int64_t kk = 0; kk < k; ++kk) {
         prefetch(panel + kk * kPanel);
         for (int i = 0; i < MR; ++i) {
-            float xv = x_rows[i][kk];
+            float xv = x_pass[kk * MR + i];
             for (int o = 0; o < kPanel; ++o) acc[i][o] += xv * panel[kk * kPanel + o];
         }
     }
 #endif
 }
 
-// The bfloat16 rows of x, as the kernel reads them: padded to K_pairs * 2 with zeros, as bf16 pairs
-// where the CPU multiplies bf16 pairs natively, as float32 elsewhere.
+// The bfloat16 elements of x, as the kernel reads them: bf16 where the CPU multiplies bf16 pairs
+// natively, float32 elsewhere.
 #ifdef __AVX512BF16__
-using XRow = uint16_t;
-inline XRow x_element(uint16_t h) { return h; }
+using XElement = uint16_t;
+inline XElement x_element(uint16_t h) { return h; }
 #else
-using XRow = float;
-inline XRow x_element(uint16_t h) { return bf16_to_f32(h); }
+using XElement = float;
+inline XElement x_element(uint16_t h) { return bf16_to_f32(h); }
 #endif
 
-// acc[i][o] = sum_k x_rows[i][k] * W[o][k], the panel as [K_pairs][16][2] bf16
+// acc[i][o] = sum_k x[i][k] * W[o][k]; x_pass: [K_pairs][MR][2], the panel: [K_pairs][16][2]
 template <int MR>
-void panel_bf16(const XRow* const* x_rows, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
+void panel_bf16(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
 #if defined(__AVX512BF16__)
     __m512 sum[MR];
     for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_ps();
@@ -91,7 +92,7 @@ void panel_bf16(const XRow* const* x_rows, const uint16_t* panel, int64_t k_pair
         __m512bh w = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel);
         for (int i = 0; i < MR; ++i) {
             int32_t pair;
-            std::memcpy(&pair, x_rows[i] + 2 * kp, 4);
+            std::memcpy(&pair, x_pass + (kp * MR + i) * 2, 4);
             sum[i] = _mm512_dpbf16_ps(sum[i], (__m512bh)_mm512_set1_epi32(pair), w);
         }
     }
@@ -106,8 +107,8 @@ void panel_bf16(const XRow* const* x_rows, const uint16_t* panel, int64_t k_pair
         __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
         __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(w, high_half));
         for (int i = 0; i < MR; ++i) {
-            sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_rows[i][2 * kp]), w_even, sum[i]);
-            sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_rows[i][2 * kp + 1]), w_odd, sum[i]);
+            sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[(kp * MR + i) * 2]), w_even, sum[i]);
+            sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[(kp * MR + i) * 2 + 1]), w_odd, sum[i]);
         }
     }
     for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], sum[i]);
@@ -117,7 +118,7 @@ void panel_bf16(const XRow* const* x_rows, const uint16_t* panel, int64_t k_pair
         const uint16_t* w = panel + kp * 2 * kPanel;
         prefetch(w);
         for (int i = 0; i < MR; ++i) {
-            float x_even = x_rows[i][2 * kp], x_odd = x_rows[i][2 * kp + 1];
+            float x_even = x_pass[(kp * MR + i) * 2], x_odd = x_pass[(kp * MR + i) * 2 + 1];
             for (int o = 0; o < kPanel; ++o)
                 acc[i][o] += x_even * bf16_to_f32(w[2 * o]) + x_odd * bf16_to_f32(w[2 * o + 1]);
         }
@@ -142,23 +143,40 @@ void dispatch_rows(int rows, Args... args) {
 
 template <int MR>
 struct PanelF32 {
-    static void run(const float* const* x_rows, const float* panel, int64_t k, float (*acc)[kPanel]) {
-        panel_f32<MR>(x_rows, panel, k, acc);
+    static void run(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel]) {
+        panel_f32<MR>(x_pass, panel, k, acc);
     }
 };
 
 template <int MR>
 struct PanelBF16 {
-    static void run(const XRow* const* x_rows, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
-        panel_bf16<MR>(x_rows, panel, k_pairs, acc);
+    static void run(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
+        panel_bf16<MR>(x_pass, panel, k_pairs, acc);
     }
 };
+
+// x [m, k] (row stride x_stride) packed for the panel kernels: pass p holds rows p*R .. p*R + rows - 1
+// (R = kRowsPerPass) as [k_steps][rows][group], `group` consecutive elements of K per step (1 for
+// float32, a pair for bfloat16), zero-padded past k.
+template <typename XT, typename From, typename Convert>
+std::vector<XT> pack_x(const From* x, int64_t m, int64_t x_stride, int64_t k, int64_t k_steps, int group,
+                       Convert convert) {
+    std::vector<XT> packed(m * k_steps * group, convert(From(0)));
+    for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
+        const int64_t rows = std::min<int64_t>(kRowsPerPass, m - r0);
+        XT* pass = packed.data() + r0 * k_steps * group;
+        for (int64_t i = 0; i < rows; ++i)
+            for (int64_t kk = 0; kk < k; ++kk)
+                pass[((kk / group) * rows + i) * group + kk % group] = convert(x[(r0 + i) * x_stride + kk]);
+    }
+    return packed;
+}
 
 // For every panel (split over the threads) and every pass of rows: accumulate, then hand each row's
 // accumulators and the panel's first output column to `store(row, first_out, acc_row, num_outs)`.
 template <template <int> class PanelKernel, typename XT, typename WT, typename Store>
-void run_panels(const XT* const* x_rows, int64_t m, const WT* blocked, int64_t panel_elems, int64_t k_steps,
-                int64_t n, Store store) {
+void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* blocked, int64_t panel_elems,
+                int64_t k_steps, int64_t n, Store store) {
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < num_panels; ++p) {
@@ -167,7 +185,7 @@ void run_panels(const XT* const* x_rows, int64_t m, const WT* blocked, int64_t p
         const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
         for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
             const int rows = int(std::min<int64_t>(kRowsPerPass, m - r0));
-            dispatch_rows<PanelKernel>(rows, x_rows + r0, blocked + p * panel_elems, k_steps, acc);
+            dispatch_rows<PanelKernel>(rows, x_packed + r0 * x_pass_stride, blocked + p * panel_elems, k_steps, acc);
             for (int i = 0; i < rows; ++i) store(r0 + i, first_out, acc[i], num_outs);
         }
     }
@@ -181,32 +199,25 @@ extern "C" {
 // y: [m, n] with row stride y_stride.
 void linear_f32(const float* x, int64_t m, int64_t x_stride, const float* blocked, const float* bias,
                 int64_t n, int64_t k, float* y, int64_t y_stride) {
-    std::vector<const float*> x_rows(m);
-    for (int64_t i = 0; i < m; ++i) x_rows[i] = x + i * x_stride;
+    const std::vector<float> x_packed = pack_x<float>(x, m, x_stride, k, k, 1, [](float v) { return v; });
     auto store = [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
         float* out = y + row * y_stride + first_out;
         for (int o = 0; o < num_outs; ++o) out[o] = acc[o] + (bias ? bias[first_out + o] : 0.0f);
     };
-    run_panels<PanelF32>(x_rows.data(), m, blocked, k * kPanel, k, n, store);
+    run_panels<PanelF32>(x_packed.data(), m, k, blocked, k * kPanel, k, n, store);
 }
 
 // As linear_f32 with bfloat16 x, bias and y (as uint16 bits); blocked: [ceil(n / 16), ceil(k / 2), 16, 2].
 void linear_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t* blocked, const uint16_t* bias,
                  int64_t n, int64_t k, uint16_t* y, int64_t y_stride) {
     const int64_t k_pairs = (k + 1) / 2;
-    std::vector<XRow> x_padded(m * 2 * k_pairs, x_element(0));
-    std::vector<const XRow*> x_rows(m);
-    for (int64_t i = 0; i < m; ++i) {
-        XRow* row = x_padded.data() + i * 2 * k_pairs;
-        for (int64_t kk = 0; kk < k; ++kk) row[kk] = x_element(x[i * x_stride + kk]);
-        x_rows[i] = row;
-    }
+    const std::vector<XElement> x_packed = pack_x<XElement>(x, m, x_stride, k, k_pairs, 2, x_element);
     auto store = [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
         uint16_t* out = y + row * y_stride + first_out;
         for (int o = 0; o < num_outs; ++o)
             out[o] = f32_to_bf16(acc[o] + (bias ? bf16_to_f32(bias[first_out + o]) : 0.0f));
     };
-    run_panels<PanelBF16>(x_rows.data(), m, blocked, k_pairs * 2 * kPanel, k_pairs, n, store);
+    run_panels<PanelBF16>(x_packed.data(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store);
 }
 
 }  // extern "C"
