@@ -118,7 +118,7 @@ def server_command(binary: Path, gguf: Path, port: int, threads: int, parallel: 
     batching, `threads` threads for generation and for prompt processing."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
             "-tb", str(threads), "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot), "--cont-batching",
-            "--metrics", "--no-webui"]
+            "--metrics", "--no-ui"]
 
 
 def wait_healthy(process: subprocess.Popen, port: int, timeout_s: float = 300.0) -> None:
