@@ -1,26 +1,32 @@
-"""Paged attention in plain torch: the CPU path, and the reference the Triton backend is checked against.
+"""Paged attention in plain torch, with a native decode kernel: the CPU path, and the reference the
+Triton backend is checked against.
 
-Three paths, chosen per request:
+Four paths, chosen per request:
 
-- **Decode** (one new token, float32): no copy of the cache at all. The scores are a sampled matmul
-  (``torch.sparse.sampled_addmm``) of the queries against the K pool, restricted by a CSR pattern whose
-  row ``(request, head)`` lists the pool rows ``slot * num_kv_heads + kv_head`` of that request's
-  context; the probabilities then weight the same V pool rows in one ``embedding_bag`` sum (faster
-  than CSR @ dense here). Rows are ragged, so no work is spent on padding except a small padded
-  buffer for the softmax.
-- **Gathered decode** (one new token, 16-bit dtypes, which the sparse kernels lack): the contexts are
-  gathered from the pool whole blocks at a time with one ``index_select`` (contiguous copies of
-  ``block_size`` tokens, about twice as fast as token rows), padded to the longest, and attended with
-  ``scaled_dot_product_attention`` under a length mask.
+- **Native decode** (one new token, any dtype, on the CPU where ``cpu_kernels.paged_decode`` is built):
+  a C++ kernel reads each request's K/V rows straight from the pools through its block table, once
+  per GQA group, with a float32 online softmax; no index, no copy, no padding. It is faster than both
+  torch decode paths below, in float32 as in bfloat16, at every batch and context measured.
+- **Sparse decode** (one new token, float32, without the native kernel): no copy of the cache. The
+  scores are a sampled matmul (``torch.sparse.sampled_addmm``) of the queries against the K pool,
+  restricted by a CSR pattern whose row ``(request, head)`` lists the pool rows
+  ``slot * num_kv_heads + kv_head`` of that request's context; the probabilities then weight the same
+  V pool rows in one ``embedding_bag`` sum (faster than CSR @ dense here). Rows are ragged, so no work
+  is spent on padding except a small padded buffer for the softmax.
+- **Gathered decode** (one new token, 16-bit dtypes, which the sparse kernels lack, without the native
+  kernel): the contexts are gathered from the pool whole blocks at a time with one ``index_select``
+  (contiguous copies of ``block_size`` tokens, about twice as fast as token rows), padded to the
+  longest, and attended with ``scaled_dot_product_attention`` under a length mask.
 - **Prefill** (more than one new token), one ``scaled_dot_product_attention`` per request, so no work
   is spent on padding: a request without a cached prefix attends its own new K/V with
   ``is_causal``; one with a prefix gathers its context from the pool under a causal mask offset by it.
+  (SDPA's CPU kernel runs bfloat16 about as fast as float32 here, so 16-bit prefill needs no upcast.)
 
 A layer with a sliding window W (Mistral, some Qwen2 layers) sees the last W positions only: its decode
 rows list just those, and its prefill masks cut what lies further back. The cache keeps every block.
 
 The index tensors are built once per step and window, by the first layer that needs them; the other
-layers only run the kernels.
+layers only run the kernels. The native decode needs none: it reads the step's block tables and lengths.
 """
 
 import warnings
