@@ -38,3 +38,13 @@ def free_port_factory():
 @pytest.fixture
 def free_port() -> int:
     return find_free_port()
+
+
+@pytest.fixture(scope="session")
+def inductor_cache_dir(tmp_path_factory):
+    """One torch.compile (inductor) cache for the session's compiled engines, not ~/.cache: a graph
+    compiled by one test is loaded from disk by the next that needs the same shapes."""
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("inductor-cache")
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
+        yield path

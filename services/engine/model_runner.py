@@ -1,11 +1,13 @@
 """Runs one scheduled step: builds the flat batch, runs the model over the paged KV cache, samples."""
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata, get_attention_backend
+from services.engine.compiled_forward import DecodeGraphs, can_compile, default_buckets
 from services.engine.config import EngineConfig
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
@@ -13,6 +15,8 @@ from services.engine.request import Request
 from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,8 +30,13 @@ class _InputBatch:
 
 class ModelRunner:
     """Owns the model weights and the KV pools (one K and one V pool per layer,
-    ``[num_kv_blocks, block_size, num_kv_heads, head_dim]``, zero-initialised; every block is usable).
-    It never modifies Request objects: the scheduler advances them from the returned tokens."""
+    ``[num_kv_blocks, block_size, num_kv_heads, head_dim]``, zero-initialised; every block is usable;
+    with compiled graphs one more block, the scratch block, takes the K/V of padding rows).
+    It never modifies Request objects: the scheduler advances them from the returned tokens.
+
+    Unless ``enforce_eager``, ``warmup`` compiles the model forward for small steps (see
+    ``compiled_forward``); from then on a step of at most the largest bucket's tokens runs its
+    bucket's graph, padded, and any other step runs eager."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -40,11 +49,15 @@ class ModelRunner:
                                                mc.head_dim, self.dtype, self.device, config.block_size)
         self.model = load_model(config.model, mc, self.attention, self.max_model_len, self.dtype, self.device)
         self.num_kv_blocks = self._decide_num_kv_blocks()
-        pool_shape = (self.num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.graphs = (None if config.enforce_eager or not can_compile(self.device, self.attention)
+                       else DecodeGraphs(self.model, self.attention, default_buckets(config.max_num_seqs)))
+        self.scratch_block = self.num_kv_blocks  # padding rows' K/V; only with graphs
+        pool_shape = (self.num_kv_blocks + (self.graphs is not None), self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [(torch.zeros(pool_shape, dtype=self.dtype, device=self.device),
                            torch.zeros(pool_shape, dtype=self.dtype, device=self.device))
                           for _ in range(mc.num_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device, config.seed)
+        self.is_captured = False  # whether steps run the compiled graphs (after warmup)
 
     @property
     def vocab_size(self) -> int:
@@ -73,10 +86,16 @@ class ModelRunner:
         their float32 logits ``[n, vocab]`` (row i for request i)."""
         if scheduler_output.is_empty:
             return [], torch.empty(0, self.vocab_size)
-        batch = self._prepare(scheduler_output.chunks)
-        metadata = self.attention.prepare(batch.metadata)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, metadata)  # [T, H]
+        num_tokens = scheduler_output.num_batched_tokens
+        bucket = self.graphs.bucket_for(num_tokens) if self.is_captured else None
+        batch = self._prepare(scheduler_output.chunks, bucket - num_tokens if bucket else 0)
+        hidden = self._forward(batch, compiled=bucket is not None)  # [T, H]
         return batch.sample_requests, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+
+    def _forward(self, batch: _InputBatch, compiled: bool) -> torch.Tensor:
+        metadata = self.attention.prepare(batch.metadata)
+        forward = self.graphs.run if compiled else self.model
+        return forward(batch.input_ids, batch.positions, self.kv_caches, metadata)
 
     def free_request(self, request_id: str) -> None:
         """Drop a finished request's sampler state (its seeded generator)."""
@@ -84,7 +103,8 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """One prefill step and one decode step of a dummy request in the first blocks (whose contents
-        are garbage afterwards, which is fine: no request has computed them)."""
+        are garbage afterwards, which is fine: no request has computed them); then, with graphs,
+        compiles every bucket, or falls back to eager with a warning when compilation fails."""
         num_prompt = min(8, self.max_model_len - 1)
         request = Request("__warmup__", list(range(num_prompt)), SamplingParams(temperature=0.0))
         block_ids = list(range(min(self.num_kv_blocks, -(-(num_prompt + 1) // self.block_size))))
@@ -93,27 +113,51 @@ class ModelRunner:
         request.append_output(int(logits[0].argmax()))
         self.execute(SchedulerOutput([ScheduledChunk(request, 1, block_ids)]))
         self.free_request(request.request_id)
+        if self.graphs is not None:
+            self.capture()
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> _InputBatch:
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Compiles the graph of every bucket on a batch of padding rows only."""
+        try:
+            self.graphs.capture(lambda bucket: self._forward(self._prepare([], bucket), compiled=True))
+        except Exception:  # inductor fails in many ways (no headers, a compiler error...): stay correct
+            log.warning("compiling the decode graphs failed: the model runs eager", exc_info=True)
+            return
+        self.is_captured = True
+
+    def _prepare(self, chunks: list[ScheduledChunk], num_padding: int = 0) -> _InputBatch:
+        """The flat batch of ``chunks``, decodes first, then ``num_padding`` rows that no request owns:
+        padding decodes (context 0) when every chunk decodes, else padding prefills (of at most
+        ``max_model_len`` tokens each), so that decodes still come first. Padding rows store their K/V
+        in the scratch block and attend only to it."""
         # Single-token chunks first: attention handles them on its decode path.
         chunks = [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens != 1]
-        num_reqs = len(chunks)
-        num_new = np.fromiter((c.num_new_tokens for c in chunks), np.int64, num_reqs)
-        context_lens = np.fromiter((c.request.num_computed_tokens for c in chunks), np.int64, num_reqs)
+        num_real_decodes = sum(c.num_new_tokens == 1 for c in chunks)
+        pads_as_decodes = num_real_decodes == len(chunks)
+        padding_size = 1 if pads_as_decodes else self.max_model_len
+        padding = [padding_size] * (num_padding // padding_size) + [num_padding % padding_size] * bool(
+            num_padding % padding_size)
+        num_reqs = len(chunks) + len(padding)
+        num_new = np.fromiter((*(c.num_new_tokens for c in chunks), *padding), np.int64, num_reqs)
+        context_lens = np.fromiter((*(c.request.num_computed_tokens for c in chunks), *(0 for _ in padding)),
+                                   np.int64, num_reqs)
         seq_lens = context_lens + num_new
         query_start_loc = np.zeros(num_reqs + 1, np.int64)
         np.cumsum(num_new, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
 
-        num_blocks = np.fromiter((len(c.block_ids) for c in chunks), np.int64, num_reqs)
+        block_ids = [c.block_ids for c in chunks] + [[self.scratch_block] * -(-n // self.block_size) for n in padding]
+        num_blocks = np.fromiter((len(b) for b in block_ids), np.int64, num_reqs)
         if (seq_lens > num_blocks * self.block_size).any() or seq_lens.max() > self.max_model_len:
             bad = int(np.argmax((seq_lens > num_blocks * self.block_size) | (seq_lens > self.max_model_len)))
             raise ValueError(f"request {chunks[bad].request.request_id!r} reaches {seq_lens[bad]} tokens with "
                              f"{num_blocks[bad]} blocks of {self.block_size} (max_model_len {self.max_model_len})")
         block_tables = np.zeros((num_reqs, int(num_blocks.max())), np.int64)
-        input_ids = np.empty(num_tokens, np.int64)
+        input_ids = np.zeros(num_tokens, np.int64)  # padding rows: token 0
+        for i, blocks in enumerate(block_ids):
+            block_tables[i, :num_blocks[i]] = blocks
         for i, chunk in enumerate(chunks):
-            block_tables[i, :num_blocks[i]] = chunk.block_ids
             start = context_lens[i]
             input_ids[query_start_loc[i]:query_start_loc[i + 1]] = chunk.request.all_token_ids[start:start + num_new[i]]
 
@@ -121,8 +165,8 @@ class ModelRunner:
         request_of_token = np.repeat(np.arange(num_reqs), num_new)
         slot_mapping = (block_tables[request_of_token, positions // self.block_size] * self.block_size
                         + positions % self.block_size)
-        samples = np.fromiter((c.samples for c in chunks), bool, num_reqs)
-        num_decodes = int((num_new == 1).sum())
+        samples = np.fromiter((*(c.samples for c in chunks), *(False for _ in padding)), bool, num_reqs)
+        num_decodes = num_real_decodes + (len(padding) if pads_as_decodes else 0)
         metadata = AttentionMetadata(
             num_decodes=num_decodes,
             num_prefills=num_reqs - num_decodes,
@@ -140,7 +184,7 @@ class ModelRunner:
             positions=self._tensor(positions),
             metadata=metadata,
             sample_rows=self._tensor(query_start_loc[1:][samples] - 1),
-            sample_requests=[c.request for c, s in zip(chunks, samples, strict=True) if s],
+            sample_requests=[c.request for c in chunks if c.samples],
         )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

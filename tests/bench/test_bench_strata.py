@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def strata_url(default_model_dir, tmp_path_factory):
     """The whole stack (tokenizer, engine, gateway processes) on the built-in model, with an API key."""
     config = StackConfig(model=str(default_model_dir), port=find_free_port(), api_key=API_KEY,
-                         engine_args=["--max-num-seqs", "8"], gateway_args=["--log-level", "warning"],
+                         engine_args=["--max-num-seqs", "8", "--enforce-eager"], gateway_args=["--log-level", "warning"],
                          log_dir=tmp_path_factory.mktemp("bench-stack-logs"), echo_logs=False,
                          startup_timeout_s=120, grace_s=5)
     stack = Stack(config)

@@ -21,7 +21,7 @@ def stack(default_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("stack-logs")
     config = StackConfig(
         model=str(default_model_dir), port=find_free_port(), served_model_name=MODEL, api_key=API_KEY,
-        engine_args=["--max-num-seqs", "16", "--num-kv-blocks", "512"],
+        engine_args=["--max-num-seqs", "16", "--num-kv-blocks", "512", "--enforce-eager"],
         gateway_args=["--max-body-bytes", str(MAX_BODY_BYTES), "--max-n", str(MAX_N),
                       "--max-stop-strings", "4", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                       "--log-level", "warning"],

@@ -42,7 +42,7 @@ def test_gateway_flags_pass_through():
 
 def test_replicas_behind_a_router(default_model_dir, tmp_path):
     config = StackConfig(model=str(default_model_dir), port=find_free_port(), replicas=2,
-                         engine_args=["--num-kv-blocks", "64", "--max-num-seqs", "4"],
+                         engine_args=["--num-kv-blocks", "64", "--max-num-seqs", "4", "--enforce-eager"],
                          log_dir=tmp_path / "logs", echo_logs=False, startup_timeout_s=120, grace_s=5)
     with Stack(config) as stack:
         assert [s.name for s in stack.services] == ["tokenizer", "nats", "engine-0", "engine-1", "router", "gateway"]

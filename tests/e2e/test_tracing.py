@@ -88,7 +88,7 @@ def traced_stack(default_model_dir, tmp_path_factory):
     # this process breaks the children's gRPC. The services send nothing before the first request.
     port = find_free_port()
     config = StackConfig(model=str(default_model_dir), port=find_free_port(), served_model_name=MODEL,
-                         engine_args=["--max-num-seqs", "4", "--num-kv-blocks", "64"],
+                         engine_args=["--max-num-seqs", "4", "--num-kv-blocks", "64", "--enforce-eager"],
                          gateway_args=["--log-level", "warning"], log_dir=tmp_path_factory.mktemp("traced-logs"),
                          echo_logs=False, startup_timeout_s=120, grace_s=5)
     stack = Stack(config)

@@ -3,8 +3,9 @@
 Greedy outputs must equal HF `generate` token for token, for 16 prompts submitted together, on
 Llama (GQA, llama3 rope scaling), Qwen2 (q/k/v bias, tied embeddings, one sliding-window layer) and
 Mistral (sliding window shorter than most prompts) checkpoints;
-and stay the same with prefix caching off, with chunked prefill at a 32-token budget, and with a
-pool so small that requests are preempted and recomputed.
+and stay the same with prefix caching off, with chunked prefill at a 32-token budget, with a
+pool so small that requests are preempted and recomputed, and with steps of up to 4 tokens run by
+the compiled decode graphs (padded to buckets 1, 2 and 4).
 """
 
 import random
@@ -89,6 +90,16 @@ def test_greedy_matches_hf_generate(checkpoint, setting):
         assert all(c.num_cached_tokens == 0 for c in again)
     elif setting != "preempting_pool":  # a tiny pool evicts most of the first pass
         assert sum(c.num_cached_tokens for c in again) > sum(len(p) for p in prompts) // 2
+
+
+def test_compiled_decode_graphs_match_hf_generate(checkpoint, inductor_cache_dir):
+    directory, prompts, expected = checkpoint
+    llm = LLM(EngineConfig(model=str(directory), max_num_seqs=4))
+    llm.core.warmup()
+    assert llm.core.model_runner.is_captured and llm.core.model_runner.graphs.buckets == (1, 2, 4)
+    completions = llm.generate(prompts, GREEDY)
+    for i, (completion, want) in enumerate(zip(completions, expected)):
+        assert completion.token_ids == want, f"prompt {i} ({len(prompts[i])} tokens) diverged"
 
 
 def test_seeded_sample_same_alone_and_in_batch_of_32(tmp_path):

@@ -42,7 +42,8 @@ def checkpoint(request, tmp_path_factory):
 
 
 def make_runner(path, **overrides) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(path), block_size=BLOCK_SIZE, num_kv_blocks=96, **overrides))
+    return ModelRunner(EngineConfig(model=str(path), block_size=BLOCK_SIZE, num_kv_blocks=96, enforce_eager=True,
+                                    **overrides))
 
 
 def drive(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, token_budget: int,
@@ -115,7 +116,8 @@ def test_greedy_matches_hf_generate_and_logits_match_hf_forward(checkpoint):
 
 def test_runner_reports_model_facts(tmp_path):
     path = write_checkpoint(tmp_path, "mistral", sliding_window=64, max_position_embeddings=256)
-    runner = ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=1 << 20, max_num_seqs=2))
+    runner = ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=1 << 20, max_num_seqs=2,
+                                      enforce_eager=True))
     assert runner.max_model_len == 256  # the sliding window does not cap the context
     assert runner.vocab_size == 512 and runner.eos_token_ids == (2,)
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, block 16, 2 kv heads, head_dim 16, fp32

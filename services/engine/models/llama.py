@@ -12,6 +12,7 @@ from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.models.config import ModelConfig
 from services.engine.models.layers import GatedMLP, RMSNorm, empty_linear
 from services.engine.models.packed_linear import PackedLinear, pack_linears
+from services.engine.models.paged_attention_op import paged_attention
 from services.engine.models.rope import RotaryEmbedding, apply_rotary_
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool): [num_blocks, block_size, kv_heads, head_dim]
@@ -43,8 +44,8 @@ class LlamaAttention(nn.Module):
             apply_rotary_(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # q: [T, heads, D], k: [T, kv_heads, D]
         v = qkv[:, self.num_heads + self.num_kv_heads:]  # [T, kv_heads, D]
-        out = self.attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata,
-                                     self.sliding_window)  # [T, heads, D]
+        out = paged_attention(self.attention, q, k, v, kv_cache[0], kv_cache[1], metadata,
+                              self.sliding_window)  # [T, heads, D]
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H]
 
 

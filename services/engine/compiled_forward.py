@@ -1,0 +1,139 @@
+"""Small steps (decodes, and mixed steps of few tokens) as compiled graphs over batch-size buckets,
+as vLLM captures CUDA graphs for a list of batch sizes.
+
+A step of ``n`` tokens, ``n`` at most the largest bucket, runs the model forward compiled for the
+smallest bucket ``>= n``; the model runner pads the batch up to it with rows that attend only within
+a scratch KV block no request owns, and never samples them. Larger steps (prefills) run eager.
+
+On the CPU the graph is ``torch.compile`` (inductor's C++ backend) of the whole forward:
+RMSNorm with the residual add, rotary, SiLU·mul and the attention glue fuse into a few loops between
+the projections; attention is the opaque op ``strata::paged_attention`` (see ``paged_attention_op``),
+so one graph covers every layer. The projections stay the calls they are eager (``packed_linear``):
+inductor's own lowering of oneDNN's linear wants the weights frozen into the graph as constants,
+and freezing re-packs them per graph (or, for weights that are not parameters, fails), so that op
+is lowered as a plain call instead (``_call_onednn_linear_as_is``).
+
+The token dimension is dynamic from 2 tokens up, so the CPU compiles two or three graphs whatever
+the buckets (one for a single token, one for the rest, split where the projections switch kernels,
+see ``packed_linear``): measured on the 2-core Zen 4 (shared with other jobs, load 8-12), one graph of the small
+shape took 60-230 s to compile, while a static graph per bucket ran hardly faster than the dynamic
+one (bfloat16, one thread, CPU time per step relative to eager in the same process: batch 1 0.96
+static, 1.01 dynamic; batch 8 0.93 static, 0.99 dynamic, within the noise of that machine).
+Steps are still padded to buckets: at decode batch sizes the projections cost the weight
+reads, whatever the rows, and the buckets are the shapes a CUDA-graph variant captures in ``capture``
+and replays in ``run``.
+
+Graphs are compiled at start-up (``capture``), one progress line per bucket, and inductor's FX-graph
+and AOTAutograd caches live on disk (``TORCHINDUCTOR_CACHE_DIR``, by default
+``$STRATA_CACHE_DIR/inductor`` or ``~/.cache/strata/inductor``): a second start loads the generated
+code and its compiled C++ from there, but still traces the model with dynamo.
+"""
+
+import bisect
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch._dynamo
+
+from services.engine.attention.base import AttentionBackend, AttentionMetadata
+from services.engine.cpu_kernels.build import compiler
+from services.engine.models.paged_attention_op import attention_step
+
+log = logging.getLogger(__name__)
+
+# vLLM's cudagraph capture sizes, up to max_num_seqs
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Every graph of every engine in the process is one cache entry of the same forward code object.
+_GRAPHS_PER_CODE_OBJECT = 64
+
+Forward = Callable[[torch.Tensor, torch.Tensor, list, AttentionMetadata], torch.Tensor]
+
+
+def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The capture sizes below ``max_num_seqs``, and ``max_num_seqs`` itself: a decode step of every
+    running request fits the largest."""
+    return tuple(size for size in CAPTURE_SIZES if size < max_num_seqs) + (max_num_seqs,)
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor caches compiled graphs: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
+    ``$STRATA_CACHE_DIR/inductor`` or ``~/.cache/strata/inductor``."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    root = os.environ.get("STRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
+    return os.path.join(root, "inductor")
+
+
+def can_compile(device: torch.device, attention: AttentionBackend) -> bool:
+    """Whether this engine compiles its small steps; says why not, once, when it cannot."""
+    if device.type != "cpu" or attention.use_triton_kernels:
+        log.info("compiled decode graphs are CPU-only (CUDA graphs not captured yet): the model runs eager")
+        return False
+    if compiler() is None:
+        log.warning("no C++ compiler found (g++, c++, clang++ or $CXX): decode steps run eager, "
+                    "without compiled graphs (slower); install one, or pass --enforce-eager to silence this")
+        return False
+    return True
+
+
+def _call_onednn_linear_as_is() -> None:
+    """Inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen as constants; ours are
+    prepacked tensors held by the modules, so the op is called as it is, like any op inductor lacks."""
+    from torch._inductor.lowering import fallback_handler, lowerings
+
+    op = torch.ops.mkldnn._linear_pointwise.default
+    if not getattr(lowerings.get(op), "_is_fallback_handler", False):
+        lowerings[op] = fallback_handler(op, add_to_fallback_set=False)
+
+
+class DecodeGraphs:
+    """The model forward compiled for each of ``buckets`` (token counts). ``capture`` compiles them
+    all; ``run`` then executes a batch already padded to a bucket. Not thread-safe: one engine loop."""
+
+    def __init__(self, forward: Forward, attention: AttentionBackend, buckets: Sequence[int]) -> None:
+        self.buckets = tuple(sorted(set(buckets)))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets must be positive token counts, got {buckets}")
+        self.attention = attention
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_CODE_OBJECT)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, _GRAPHS_PER_CODE_OBJECT)
+        _call_onednn_linear_as_is()
+        self._compiled = torch.compile(forward, fullgraph=True, dynamic=False)
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The smallest bucket that holds ``num_tokens``; None when the step is too large (eager)."""
+        i = bisect.bisect_left(self.buckets, num_tokens)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def capture(self, run_padding_step: Callable[[int], None]) -> None:
+        """Compiles every bucket, largest first (so that the memory peak comes first), by calling
+        ``run_padding_step(bucket)``, which must run ``run`` on a batch of ``bucket`` padding rows.
+        Raises what compilation raises."""
+        started = time.perf_counter()
+        for i, bucket in enumerate(reversed(self.buckets)):
+            bucket_started = time.perf_counter()
+            run_padding_step(bucket)
+            log.info("compiled decode graph %d/%d (%d tokens) in %.1f s", i + 1, len(self.buckets), bucket,
+                     time.perf_counter() - bucket_started)
+        log.info("compiled %d decode graphs in %.1f s (cache: %s)", len(self.buckets),
+                 time.perf_counter() - started, inductor_cache_dir())
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+            metadata: AttentionMetadata) -> torch.Tensor:
+        """The forward of a batch of exactly a bucket's tokens (padded): ``hidden [T, H]``."""
+        if input_ids.shape[0] not in self.buckets:
+            raise ValueError(f"a compiled step takes a bucket's {self.buckets} tokens, got {input_ids.shape[0]}")
+        if input_ids.shape[0] > 1:  # one graph for every bucket from 2 tokens up
+            torch._dynamo.mark_dynamic(input_ids, 0, min=2, max=self.max_num_tokens)
+            torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_num_tokens)
+        with attention_step(self.attention, metadata):
+            return self._compiled(input_ids, positions, kv_caches, metadata)

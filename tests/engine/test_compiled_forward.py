@@ -1,0 +1,144 @@
+"""Compiled decode graphs (services/engine/compiled_forward.py) against the eager model: the same
+logits for every bucket, padding included, in float32 and bfloat16, for decode-only and small mixed
+steps; padding rows leave every request's KV blocks alone; no recompilation once captured; and eager
+with one warning when there is no compiler or compilation fails."""
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from services.engine import compiled_forward
+from services.engine.compiled_forward import DecodeGraphs, default_buckets
+from services.engine.config import EngineConfig
+from services.engine.model_runner import ModelRunner
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+from .checkpoints import write_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 64
+MAX_NUM_SEQS = 4  # buckets 1, 2, 4
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def test_default_buckets_follow_capture_sizes_up_to_max_num_seqs():
+    assert default_buckets(1) == (1,)
+    assert default_buckets(4) == (1, 2, 4)
+    assert default_buckets(10) == (1, 2, 4, 8, 10)
+    assert default_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def test_bucket_for_picks_the_smallest_bucket_that_holds_the_step():
+    graphs = DecodeGraphs(lambda *args: None, None, (4, 1, 2, 8))
+    assert graphs.buckets == (1, 2, 4, 8)
+    assert [graphs.bucket_for(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # Mistral with a window shorter than the contexts, so the windowed decode path is compiled too
+    return write_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=12)
+
+
+def make_runner(path, dtype: str, **overrides) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=str(path), dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+                                    max_num_seqs=MAX_NUM_SEQS, **overrides))
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def runners(request, checkpoint, inductor_cache_dir):
+    """(compiled runner, eager runner) of one dtype over the same weights."""
+    compiled = make_runner(checkpoint, request.param)
+    compiled.warmup()
+    assert compiled.is_captured
+    return compiled, make_runner(checkpoint, request.param, enforce_eager=True)
+
+
+def prefilled_requests(runners: tuple[ModelRunner, ModelRunner], prompt_lens: list[int]
+                       ) -> tuple[list[Request], list[list[int]]]:
+    """Requests whose prompts (longer than any bucket, so prefilled eager) are in both runners' caches."""
+    requests, tables = [], []
+    for i, length in enumerate(prompt_lens):
+        prompt = [(7 * i + 3 * j) % 500 + 3 for j in range(length)]
+        requests.append(Request(f"r{i}", prompt, SamplingParams(temperature=0.0)))
+        tables.append(list(range(8 * i, 8 * i + 8)))
+    for runner in runners:
+        runner.compute_logits(SchedulerOutput([ScheduledChunk(r, r.num_tokens, t) for r, t in zip(requests, tables)]))
+    for request in requests:
+        request.num_computed_tokens = request.num_tokens
+        request.append_output(5)
+    return requests, tables
+
+
+def assert_same_step(runners: tuple[ModelRunner, ModelRunner], step: SchedulerOutput, dtype: torch.dtype) -> None:
+    """The compiled runner's logits and request KV blocks equal the eager runner's."""
+    (sampled, logits), (sampled_eager, logits_eager) = (runner.compute_logits(step) for runner in runners)
+    assert sampled == sampled_eager
+    torch.testing.assert_close(logits, logits_eager, **TOLERANCE[dtype])
+    compiled, eager = runners
+    for (k, v), (k_eager, v_eager) in zip(compiled.kv_caches, eager.kv_caches, strict=True):
+        torch.testing.assert_close(k[:NUM_KV_BLOCKS], k_eager, **TOLERANCE[dtype])
+        torch.testing.assert_close(v[:NUM_KV_BLOCKS], v_eager, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_decodes", [1, 2, 3, 4])  # 3 runs bucket 4 with a padding row
+def test_decode_steps_match_eager(runners, num_decodes):
+    compiled, _ = runners
+    requests, tables = prefilled_requests(runners, [13, 21, 9, 17][:num_decodes])
+    graphs_before = counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests, tables)])
+        assert compiled.graphs.bucket_for(step.num_batched_tokens) is not None
+        assert_same_step(runners, step, compiled.dtype)
+        for request in requests:
+            request.num_computed_tokens += 1
+            request.append_output(5)
+    assert counters["stats"]["unique_graphs"] == graphs_before  # no recompilation
+
+
+def test_small_mixed_step_matches_eager(runners):
+    """One decode and a 2-token prompt chunk: 3 tokens, bucket 4, padded by a padding prefill."""
+    compiled, _ = runners
+    (decoding,), (table,) = prefilled_requests(runners, [15])
+    prompt = Request("p", [11, 12, 13, 14, 15], SamplingParams(temperature=0.0))
+    prompt.num_computed_tokens = 3
+    step = SchedulerOutput([ScheduledChunk(decoding, 1, table), ScheduledChunk(prompt, 2, [40, 41])])
+    assert compiled.graphs.bucket_for(step.num_batched_tokens) == 4
+    assert_same_step(runners, step, compiled.dtype)
+
+
+def test_no_compiler_runs_eager_with_one_warning(checkpoint, monkeypatch, caplog):
+    monkeypatch.setattr(compiled_forward, "compiler", lambda: None)
+    with caplog.at_level(logging.WARNING):
+        runner = make_runner(checkpoint, "float32")
+    assert runner.graphs is None
+    assert [r.message for r in caplog.records if r.levelno == logging.WARNING] == [
+        "no C++ compiler found (g++, c++, clang++ or $CXX): decode steps run eager, without compiled graphs "
+        "(slower); install one, or pass --enforce-eager to silence this"]
+
+
+def test_failed_compilation_runs_eager_with_a_warning(checkpoint, monkeypatch, caplog):
+    runner = make_runner(checkpoint, "float32")
+
+    def fail(run_padding_step):
+        raise RuntimeError("no cpp headers")
+
+    monkeypatch.setattr(runner.graphs, "capture", fail)
+    with caplog.at_level(logging.WARNING):
+        runner.warmup()
+    assert not runner.is_captured
+    assert [r.message for r in caplog.records if r.levelno == logging.WARNING] == [
+        "compiling the decode graphs failed: the model runs eager"]
+
+
+def test_enforce_eager_builds_no_graphs(checkpoint):
+    runner = make_runner(checkpoint, "float32", enforce_eager=True)
+    runner.warmup()
+    assert runner.graphs is None and not runner.is_captured
+    assert runner.kv_caches[0][0].shape[0] == NUM_KV_BLOCKS  # no scratch block
