@@ -24,7 +24,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in 
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 64
 MAX_NUM_SEQS = 4  # buckets 1, 2, 4
-TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# bfloat16: the fused loops keep float32 between ops that eager rounds to bfloat16 one by one, so the
+# logits differ by a few bfloat16 steps (0.03 measured on a logit of 0.02, 2 of 512 entries)
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=5e-2)}
 
 
 def test_default_buckets_follow_capture_sizes_up_to_max_num_seqs():
