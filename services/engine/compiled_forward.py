@@ -98,7 +98,6 @@ class DecodeGraphs:
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets must be positive token counts, got {buckets}")
         self.attention = attention
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_CODE_OBJECT)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, _GRAPHS_PER_CODE_OBJECT)
@@ -118,6 +117,7 @@ class DecodeGraphs:
         """Compiles every bucket, largest first (so that the memory peak comes first), by calling
         ``run_padding_step(bucket)``, which must run ``run`` on a batch of ``bucket`` padding rows.
         Raises what compilation raises."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # inductor reads it when it compiles
         started = time.perf_counter()
         for i, bucket in enumerate(reversed(self.buckets)):
             bucket_started = time.perf_counter()
