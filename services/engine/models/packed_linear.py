@@ -6,11 +6,13 @@ Two layouts, each for the batch sizes where it is faster:
   ``cpu_kernels/linear`` on a weight blocked in panels of 16 outputs. With a few rows a projection
   reads its whole weight for two FLOPs per element, so it runs at the speed the weight streams from
   memory, and the native kernel streams it faster than oneDNN. Measured on the 2-core EPYC (Zen 4)
-  over the small shape's 32 layer matrices, one thread (the machine was shared, so per core),
-  against a read of a 256 MB buffer in the same run: float32 at 1 / 4 / 16 / 64 rows 108% / 80% /
-  46% / 18% of the read bandwidth, oneDNN 59% / 36% / 32% / 15%; bfloat16 97% / 73% / 47% / 18%,
-  oneDNN 61% / 53% / 41% / 17%. The batch-1 decode step's projections of the small shape went from
-  49.7 to 23.7 ms (float32) and from 17.9 to 12.1 ms (bfloat16) in the same run.
+  over the small shape's 32 layer matrices with one thread (other jobs shared the machine, so these
+  are per core), against a one-thread read of a 256 MB buffer in the same run, medians: float32 at
+  1 / 4 / 8 rows 97% / 89% / 72% of the read bandwidth (oneDNN 57% / 40% / 37%), bfloat16 70-92% /
+  58-85% / 64-78% over three runs (oneDNN 40-56% / 47-62% / 46-48%). From 16 to 64 rows both are
+  bound by compute and the native kernel stays at or above oneDNN (float32 5.2 / 3.3 / 1.9 GB/s of
+  weights at 16 / 32 / 64 rows against 3.4 / 2.5 / 1.5). The batch-1 decode step's projections went
+  from 19.5 to 12.9 ms (float32) and from 9.7 to 8.2 ms (bfloat16), one thread, in the same run.
 - **More rows**: oneDNN's prepacked weights (``torch.ops.mkldnn._linear_pointwise``). A plain
   ``F.linear`` re-lays the weight out into the GEMM's blocked format at every call; oneDNN's prepacked
   weights skip it: measured on a 2-core Xeon, float32 ``[64, 512] x [512, 2752]`` went from 246 to 287
