@@ -22,7 +22,10 @@ from collections.abc import Mapping
 # than a small model's whole step; 1,000 (~0.2 ms there, less on bare metal) bridges the gaps between
 # the parallel regions of one step and lets the core go soon after it. Measured there, one stream
 # through `strata up` on the tiny model: the engine used 18-20 ms of CPU per token at 10,000, 9-14
-# at 1,000, 9-11 at 0 (passive).
+# at 1,000, 9-11 at 0 (passive). The price on an idle machine: the small shape's bfloat16 batch-1
+# decode step (two threads) took 7.7 ms at 1,000 spins and 5.1 ms at 10,000 alone, but 9.7 ms and
+# 27.6 ms beside one busy process (300,000: 5.0 and 18.5 ms; one thread at 1,000: 7.0 and 7.7 ms).
+# Shared cores are the case that collapses, so the default guards it; dedicated cores may spin more.
 OPENMP_SPIN_COUNT = 1_000
 _WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
