@@ -46,4 +46,4 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return out
 
     def _step_index(self, metadata: AttentionMetadata, window: int | None) -> StepIndex:
-        return StepIndex(None, None, self._prefill_chunks(metadata, window))  # decode needs no index
+        return StepIndex(False, None, None, self._prefill_chunks(metadata, window))  # decode needs no index
