@@ -9,7 +9,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from services.engine.kernels.kv_store import kv_store, kv_store_reference  # noqa: E402
-from services.engine.kernels.paged_decode import paged_decode, paged_decode_reference  # noqa: E402
+from services.engine.cpu_kernels.paged_decode import paged_decode_ref  # noqa: E402
+from services.engine.kernels.paged_decode import paged_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter computes in numpy, which has no bfloat16
@@ -40,7 +41,7 @@ def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, window
     q, k_cache, v_cache, tables, seq_lens = scattered_pools(heads, kv_heads, head_dim, 8, [1, 7, 8, 9, 30], dtype)
     scale = head_dim ** -0.5
     out = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window)
-    expected = paged_decode_reference(q, k_cache, v_cache, tables, seq_lens, scale, window)
+    expected = paged_decode_ref(q, k_cache, v_cache, tables, seq_lens, scale, window)
     torch.testing.assert_close(out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
@@ -51,7 +52,7 @@ def test_paged_decode_reference_is_attention():
     k = k_cache[tables[0, pos // 4], pos % 4].transpose(0, 1)  # [kv_heads, S, D]
     v = v_cache[tables[0, pos // 4], pos % 4].transpose(0, 1)
     expected = torch.nn.functional.scaled_dot_product_attention(q[0].unsqueeze(1), k, v, enable_gqa=True)
-    torch.testing.assert_close(paged_decode_reference(q, k_cache, v_cache, tables, seq_lens, 0.25),
+    torch.testing.assert_close(paged_decode_ref(q, k_cache, v_cache, tables, seq_lens, 0.25),
                                expected.squeeze(1).unsqueeze(0), rtol=1e-5, atol=1e-5)
 
 
@@ -133,6 +134,6 @@ def test_paged_prefill_matches_reference(dtype, heads, kv_heads, head_dim, windo
         rows = slice(int(starts[i]), int(starts[i + 1]))
         for j in range(new):  # each row is a decode of its own position
             pos = cached + j
-            expected = paged_decode_reference(q[rows][j:j + 1], k_cache, v_cache, tables[i:i + 1],
+            expected = paged_decode_ref(q[rows][j:j + 1], k_cache, v_cache, tables[i:i + 1],
                                               torch.tensor([pos + 1], device=DEVICE), scale, window)
             torch.testing.assert_close(out[rows][j:j + 1], expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])

@@ -87,19 +87,3 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     )
     return out
 
-
-def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """The same in plain torch, one request at a time."""
-    num_heads, block_size = q.shape[1], k_cache.shape[1]
-    group = num_heads // k_cache.shape[2]
-    outputs = []
-    for req, seq_len in enumerate(seq_lens.tolist()):
-        first = max(0, seq_len - sliding_window) if sliding_window else 0
-        pos = torch.arange(first, seq_len, device=q.device)
-        blocks = block_tables[req, pos // block_size]
-        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)  # [S, heads, D]
-        v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, 1)
-        probs = (torch.einsum("hd,shd->hs", q[req].float(), k) * scale).softmax(-1)
-        outputs.append(torch.einsum("hs,shd->hd", probs, v))
-    return torch.stack(outputs).to(q.dtype)
