@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch._dynamo
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.cpu_kernels.build import compiler
@@ -67,6 +66,14 @@ def inductor_cache_dir() -> str:
         return os.environ["TORCHINDUCTOR_CACHE_DIR"]
     root = os.environ.get("STRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
     return os.path.join(root, "inductor")
+
+
+def use_inductor_cache_dir() -> None:
+    """Points inductor at ``inductor_cache_dir()`` unless the user chose a dir. Call it before the model
+    loads: the first import of dynamo (the loader's custom ops and oneDNN calls bring it in) has
+    inductor look at its cache dir, which writes the default (/tmp/torchinductor_$USER) into the
+    variable, and every later look reads it from there."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
 
 
 def can_compile(device: torch.device, attention: AttentionBackend) -> bool:
@@ -100,6 +107,8 @@ class DecodeGraphs:
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets must be positive token counts, got {buckets}")
         self.attention = attention
+        import torch._dynamo
+
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_CODE_OBJECT)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, _GRAPHS_PER_CODE_OBJECT)
@@ -119,7 +128,6 @@ class DecodeGraphs:
         """Compiles every bucket, largest first (so that the memory peak comes first), by calling
         ``run_padding_step(bucket)``, which must run ``run`` on a batch of ``bucket`` padding rows.
         Raises what compilation raises."""
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # inductor reads it when it compiles
         started = time.perf_counter()
         for i, bucket in enumerate(reversed(self.buckets)):
             bucket_started = time.perf_counter()

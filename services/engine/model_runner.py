@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from services.engine.attention import AttentionMetadata, get_attention_backend
-from services.engine.compiled_forward import DecodeGraphs, can_compile, default_buckets
+from services.engine.compiled_forward import DecodeGraphs, can_compile, default_buckets, use_inductor_cache_dir
 from services.engine.config import EngineConfig
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
@@ -43,6 +43,8 @@ class ModelRunner:
         self.model_config = mc = load_model_config(config.model)
         self.device = torch.device(config.device)
         self.dtype = mc.resolve_dtype(config.dtype)
+        if not config.enforce_eager:
+            use_inductor_cache_dir()
         self.max_model_len = mc.resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
         self.attention = get_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
