@@ -65,14 +65,22 @@ def grpc_metadata_carrier(metadata: Iterable | None) -> dict[str, str]:
     return {key: value for key, value in (metadata or ()) if isinstance(value, str)}
 
 
-def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    """The call's details with the current trace context added to its metadata."""
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """The current trace context (``traceparent``, ``tracestate``) as gRPC metadata; empty outside a
+    trace. Pass it as a call's ``metadata=`` where a channel has no interceptors (a stream's
+    interceptor costs a queue and a task per message)."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
-    if not carrier:
+    return tuple(carrier.items())
+
+
+def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    """The call's details with the current trace context added to its metadata."""
+    context = trace_metadata()
+    if not context:
         return details
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
-    for key, value in carrier.items():
+    for key, value in context:
         metadata[key] = value
     return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                       details.wait_for_ready)

@@ -11,9 +11,9 @@ import json
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry import propagate
 
 from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.telemetry import trace_metadata
 from services.gateway import errors
 from services.gateway.validation import MAX_TOP_LOGPROBS, ModelFacts
 
@@ -42,11 +42,11 @@ class Upstream:
 
     def generate(self, request: engine_pb2.GenerateRequest):
         """The engine's Generate stream for ``request``."""
-        return self.engine.Generate(request, timeout=self.generate_timeout_s, metadata=_trace_metadata())
+        return self.engine.Generate(request, timeout=self.generate_timeout_s, metadata=trace_metadata())
 
     def detokenize(self):
         """A Detokenize bidi stream to the tokenizer."""
-        return self.tokenizer.Detokenize(timeout=self.generate_timeout_s, metadata=_trace_metadata())
+        return self.tokenizer.Detokenize(timeout=self.generate_timeout_s, metadata=trace_metadata())
 
     async def close(self) -> None:
         await asyncio.gather(self._tokenizer_channel.close(), self._engine_channel.close())
@@ -68,7 +68,7 @@ class Upstream:
     async def load(self) -> engine_pb2.LoadResponse | None:
         """The engine's current load and cache counters; None when it does not answer in time."""
         try:
-            return await self.engine.Load(engine_pb2.LoadRequest(), timeout=2.0, metadata=_trace_metadata())
+            return await self.engine.Load(engine_pb2.LoadRequest(), timeout=2.0, metadata=trace_metadata())
         except grpc.RpcError:
             return None
 
@@ -115,13 +115,6 @@ class Upstream:
 
     async def _unary(self, upstream: str, method, request, timeout_s: float | None = None):
         try:
-            return await method(request, timeout=timeout_s or self.rpc_timeout_s, metadata=_trace_metadata())
+            return await method(request, timeout=timeout_s or self.rpc_timeout_s, metadata=trace_metadata())
         except grpc.RpcError as error:
             raise errors.from_grpc(error, upstream) from None
-
-
-def _trace_metadata() -> tuple[tuple[str, str], ...]:
-    """The current trace context (``traceparent``) as gRPC metadata; empty outside a trace."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return tuple(carrier.items())
