@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from services.bench.floor import layer_projection_params
 from services.engine.config import EngineConfig
 from services.engine.models.config import ModelConfig
 
@@ -30,7 +31,7 @@ class StepBytes:
 def decode_step_bytes(mc: ModelConfig, element_size: int, context: int) -> StepBytes:
     """The bytes a batch-1 decode step at `context` positions cannot avoid reading."""
     hidden, q_size, kv_size = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * mc.intermediate_size
+    layer = layer_projection_params(mc)
     layer += (q_size + 2 * kv_size) * mc.attention_bias + hidden * mc.o_proj_bias
     layer += (2 * mc.intermediate_size + hidden) * mc.mlp_bias
     layer += 2 * hidden  # the two norms

@@ -28,10 +28,16 @@ class WorkloadCost:
     kv_bytes: float  # K/V bytes the decode steps read
 
 
+def layer_projection_params(mc: ModelConfig) -> int:
+    """Weights of one decoder layer's projections (q/k/v, o, gate/up, down), biases and norms aside."""
+    q_size, kv_size = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return mc.hidden_size * (q_size + 2 * kv_size) + q_size * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size
+
+
 def workload_cost(mc: ModelConfig, element_bytes: int, prompt_lens: list[int], output_lens: list[int]) -> WorkloadCost:
     """The unavoidable work of running each prompt to its output length (greedy, one token per step)."""
     q_size, kv_size = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    layer_params = mc.hidden_size * (q_size + 2 * kv_size) + q_size * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size
+    layer_params = layer_projection_params(mc)
     through_layers = sum(p + o - 1 for p, o in zip(prompt_lens, output_lens, strict=True))
     flops = 2 * layer_params * mc.num_layers * through_layers
     flops += 2 * mc.hidden_size * mc.vocab_size * sum(output_lens)
