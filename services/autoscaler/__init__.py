@@ -1,0 +1,1 @@
+"""The autoscaler: owns the engine replica count (DESIGN.md, "The autoscaler")."""
