@@ -6,16 +6,21 @@
 Builds the default model when no --model is given, picks free ports for the internal services,
 waits until each one is healthy (gRPC health for the tokenizer and engine, HTTP /health for the
 gateway), prints the base URL and a curl example, and prefixes each child's log lines
-(``[engine] ...``), or writes them to files under --log-dir. Ctrl-C or SIGTERM stops the children:
-SIGTERM first, SIGKILL after a grace period. Children also get SIGTERM if the launcher dies
-(Linux parent-death signal), so none are left behind.
+(``[engine] ...``), or writes them to files under --log-dir.
+
+Once the stack serves, its services are supervised (`services.common.supervisor`): one that dies
+(a crash, an OOM kill, `kill -9`) is started again after a backoff, and the stack keeps serving
+meanwhile: the router sends a dead engine's traffic to the others and an engine that is back gets
+traffic once its health says SERVING. `strata up` exits only on Ctrl-C/SIGTERM, or when a service
+keeps crashing before it is healthy (named, with the tail of its log). A service that dies during
+the first start fails the start at once: nothing served yet, so its configuration is at fault.
+Ctrl-C or SIGTERM stops the children: SIGTERM first, SIGKILL after a grace period. Children also get
+SIGTERM if the launcher dies (Linux parent-death signal), so none are left behind.
 
 ``Stack`` is the same machinery as a library (the end-to-end tests start the stack with it).
 """
 
 import argparse
-import collections
-import ctypes
 import json
 import os
 import shlex
@@ -24,24 +29,21 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
+from services.common.supervisor import ChildProcess, CrashLoopError, Supervisor
 from services.engine.threads import openmp_wait_env, usable_cores
 
 # The children are forked and exec'd while this process may hold gRPC channels (health checks, or a
 # test's clients): gRPC's fork handlers would run in the child before exec and can abort it.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-_TAIL_LINES = 40
 _POLL_S = 0.2
-_PR_SET_PDEATHSIG = 1
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -50,78 +52,8 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 class StartupError(RuntimeError):
     """A service did not become healthy; the message names it and shows the tail of its log."""
-
-
-class Service:
-    """One child process whose output is read line by line: prefixed to our stdout and/or written
-    to a log file, the last lines kept for error messages."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path | None, echo: bool,
-                 env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.argv = argv
-        self.env = env or {}
-        self.log_path = log_path
-        self._echo = echo
-        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.process: subprocess.Popen | None = None
-        self._reader: threading.Thread | None = None
-
-    def spawn(self) -> None:
-        self.process = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
-
-    def start_reader(self) -> None:
-        self._reader = threading.Thread(target=self._read, name=f"log-{self.name}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        log_file: IO[str] | None = open(self.log_path, "a", encoding="utf-8") if self.log_path else None
-        try:
-            for raw in self.process.stdout:
-                line = raw.decode("utf-8", "replace").rstrip("\n")
-                self._tail.append(line)
-                if log_file:
-                    log_file.write(line + "\n")
-                    log_file.flush()
-                if self._echo:
-                    print(f"[{self.name}] {line}", flush=True)
-        finally:
-            if log_file:
-                log_file.close()
-
-    @property
-    def exit_code(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def tail(self) -> str:
-        if self._reader is not None:
-            self._reader.join(timeout=1.0)  # let the last lines of a dead child arrive
-        return "\n".join(f"  [{self.name}] {line}" for line in self._tail) or f"  [{self.name}] (no output)"
-
-    def terminate(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-
-    def wait_or_kill(self, deadline: float) -> None:
-        if self.process is None:
-            return
-        try:
-            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 @dataclass
@@ -140,6 +72,7 @@ class StackConfig:
     cache_dir: Path | None = None  # where the default model is built (None: its own default)
     replicas: int = 1  # engine replicas; more than one puts a router (and NATS, when installed) in front
     router_args: list[str] = field(default_factory=list)
+    restart_backoff_s: float = 1.0  # a service that dies is started again after this, doubling while it keeps dying
 
 
 class Stack:
@@ -149,7 +82,8 @@ class Stack:
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.services: list[Service] = []
+        self.services: list[ChildProcess] = []
+        self.supervisor: Supervisor | None = None  # from the end of start() on
         self.tokenizer_addr = ""
         self.engine_addr = ""
         self.model_name = ""
@@ -206,9 +140,8 @@ class Stack:
         for name, argv in commands.items():
             log_path = Path(config.log_dir) / f"{name}.log" if config.log_dir is not None else None
             env = self._engine_env() if name == "engine" or name.startswith("engine-") else None
-            self.services.append(Service(name, argv, log_path, config.echo_logs, env))
+            self.services.append(ChildProcess(name, argv, log_path, config.echo_logs, env))
         try:
-            # Every child is forked before any reader thread exists (preexec_fn and threads mix badly).
             for service in self.services:
                 service.spawn()
             for service in self.services:
@@ -217,6 +150,25 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+        self.supervisor = Supervisor(initial_backoff_s=config.restart_backoff_s, on_change=self._report)
+        for service in self.services:
+            self.supervisor.watch(service, self._checks[service.name])
+        self.supervisor.start()
+
+    def _report(self, name: str, event: str, detail: str) -> None:
+        if self.config.echo_logs or event in ("down", "restarting"):
+            print(f"strata up: the {name} {detail}", file=sys.stderr, flush=True)
+
+    def service(self, name: str) -> ChildProcess:
+        return next(s for s in self.services if s.name == name)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Blocks for up to ``timeout_s`` (None: for good) while the services run; raises
+        CrashLoopError naming a service that keeps crashing at start."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while deadline is None or time.monotonic() < deadline:  # short waits: Ctrl-C stays prompt
+            if self.supervisor.wait_failed(0.5 if deadline is None else min(0.5, deadline - time.monotonic())):
+                raise self.supervisor.fatal
 
     def _engine_env(self) -> dict[str, str]:
         """Every engine gets the OpenMP wait policy of `threads.openmp_wait_env` and, unless
@@ -257,16 +209,16 @@ class Stack:
                 time.sleep(_POLL_S)
 
     def check_alive(self) -> None:
-        """Raises StartupError naming the first child that exited, with the tail of its log."""
+        """While starting: raises StartupError naming the first child that exited, with the tail of
+        its log (a service that dies before the stack first serves is misconfigured, not unlucky)."""
         for service in self.services:
-            code = service.exit_code
-            if code is not None:
-                where = f" (log: {service.log_path})" if service.log_path else ""
-                raise StartupError(f"the {service.name} exited with code {code}{where}; "
-                                   f"last lines of its log:\n{service.tail()}")
+            if service.exit_code is not None:
+                raise StartupError(service.describe_exit())
 
     def stop(self) -> None:
         """SIGTERM to every child (gateway first), SIGKILL to any still alive after the grace."""
+        if self.supervisor is not None:
+            self.supervisor.stop()  # no restarts from here on
         for service in reversed(self.services):
             service.terminate()
         deadline = time.monotonic() + self.config.grace_s
@@ -383,12 +335,10 @@ def main(argv: list[str] | None = None) -> int:
               f"  (tokenizer at {stack.tokenizer_addr}, {'router' if args.replicas > 1 else 'engine'} at "
               f"{stack.engine_addr}; Ctrl-C stops)\n",
               flush=True)
-        while True:
-            time.sleep(0.5)
-            stack.check_alive()
+        stack.wait()
     except KeyboardInterrupt:
         return 0
-    except StartupError as error:
+    except (StartupError, CrashLoopError) as error:
         print(f"strata up: {error}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -90,9 +90,13 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                     yield output
                 return
             except grpc.aio.AioRpcError as error:
-                if relayed or error.code() not in _RETRY_ON:
+                if error.code() in _RETRY_ON:
+                    self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
+                if relayed:  # tokens already went out: the client sees the cut (an SSE error event)
+                    await context.abort(error.code(), f"engine replica {replica.name} failed mid-stream "
+                                                      f"({error.details()}); the output is incomplete")
+                if error.code() not in _RETRY_ON:
                     await context.abort(error.code(), error.details())
-                self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
                 self.metrics.failovers.labels(replica.name).inc()
                 log.warning("request %s: replica %s failed before its first output; trying another",
                             request.request_id, replica.name)
