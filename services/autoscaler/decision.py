@@ -58,9 +58,9 @@ class ScalingPolicy:
             raise ValueError(f"--scale-down-utilization {self.scale_down_utilization} must be in (0, 1]")
         for name in ("tolerance", "scale_up_stabilization_s", "scale_down_stabilization_s", "cooldown_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 0")
+                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} {getattr(self, name)} must be >= 0")
         if self.warmup_timeout_s <= 0:
-            raise ValueError(f"--warmup-timeout-s {self.warmup_timeout_s} must be > 0: it is how long a starting "
+            raise ValueError(f"--warmup-timeout {self.warmup_timeout_s} must be > 0: it is how long a starting "
                              "replica is waited for")
 
     def clamp(self, count: int) -> int:
@@ -164,7 +164,7 @@ class Autoscaler:
                 return Decision(fleet.current, fleet.current,
                                 f"waiting for {fleet.current - fleet.ready} starting replica(s) to become ready "
                                 f"({fleet.oldest_starting_s:.0f} s)")
-            late = (f"; a replica has been starting for {fleet.oldest_starting_s:.0f} s (over --warmup-timeout-s "
+            late = (f"; a replica has been starting for {fleet.oldest_starting_s:.0f} s (over --warmup-timeout "
                     f"{policy.warmup_timeout_s:g}) and is no longer waited for")
 
         self._record(now, rec)
@@ -186,7 +186,7 @@ class Autoscaler:
             ago = now - self._last_action
             if ago < policy.cooldown_s:
                 return Decision(fleet.current, fleet.current,
-                                f"cooldown: last scale action {ago:.0f} s ago (--cooldown-s {policy.cooldown_s:g}); "
+                                f"cooldown: last scale action {ago:.0f} s ago (--cooldown {policy.cooldown_s:g}); "
                                 f"wanted {desired}: {reason}{late}")
         return self._act(now, desired, fleet, reason + late)
 

@@ -170,10 +170,10 @@ def test_out_of_range_fleet_is_brought_in_at_once_despite_cooldown_and_warmup():
     (dict(scale_down_utilization=0.0), "--scale-down-utilization"),
     (dict(scale_down_utilization=1.2), "--scale-down-utilization"),
     (dict(tolerance=-0.1), "--tolerance"),
-    (dict(scale_up_stabilization_s=-1.0), "--scale-up-stabilization-s"),
-    (dict(scale_down_stabilization_s=-1.0), "--scale-down-stabilization-s"),
-    (dict(cooldown_s=-1.0), "--cooldown-s"),
-    (dict(warmup_timeout_s=0.0), "--warmup-timeout-s"),
+    (dict(scale_up_stabilization_s=-1.0), "--scale-up-stabilization"),
+    (dict(scale_down_stabilization_s=-1.0), "--scale-down-stabilization"),
+    (dict(cooldown_s=-1.0), "--cooldown"),
+    (dict(warmup_timeout_s=0.0), "--warmup-timeout"),
 ])
 def test_policy_rejects_invalid_settings_naming_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
