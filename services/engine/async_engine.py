@@ -46,6 +46,11 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True)
+class _AbortAll:
+    error: BaseException
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, on_step=None) -> None:
         """on_step(outputs, stats, step_seconds, num_batched_tokens) is called from the engine thread after every step
@@ -74,6 +79,10 @@ class AsyncEngine:
         self._inbox.put(_Stop())
         if self._started and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+
+    def abort_all(self, error: BaseException) -> None:
+        """Ends every running request with ``error`` and frees its blocks; the loop keeps going."""
+        self._inbox.put(_AbortAll(error))
 
     @property
     def stats(self) -> SchedulerStats:
@@ -131,6 +140,9 @@ class AsyncEngine:
                 if isinstance(command, _Stop):
                     self._fail_all(RuntimeError("the engine is shutting down"))
                     return
+                if isinstance(command, _AbortAll):
+                    self._fail_all(command.error)
+                    continue
                 self._apply(command)
             if not self.core.has_unfinished_requests():
                 self._stats = self.core.stats()

@@ -127,16 +127,21 @@ class NatsPublisher:
             pass
 
 
+def publish_load(publisher: NatsPublisher, replica_id: str, address: str, max_num_seqs: int, stats,
+                 draining: bool = False) -> None:
+    """Publishes one ``LoadReport`` of ``stats`` (a ``SchedulerStats``), from the publisher's loop."""
+    s = stats
+    report = events_pb2.LoadReport(
+        replica_id=replica_id, address=address, num_running=s.num_running, num_waiting=s.num_waiting,
+        num_kv_blocks_used=s.num_kv_blocks_used, num_kv_blocks_total=s.num_kv_blocks_total,
+        prefix_cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+        max_num_seqs=max_num_seqs, timestamp_ns=time.time_ns(), draining=draining)
+    publisher.publish(LOAD_REPORTS.format(replica_id=replica_id), report.SerializeToString())
+
+
 async def report_load(publisher: NatsPublisher, replica_id: str, address: str, max_num_seqs: int,
                       stats: Callable, interval_s: float) -> None:
-    """Publishes a ``LoadReport`` of ``stats()`` (a ``SchedulerStats``) every ``interval_s``, forever."""
-    subject = LOAD_REPORTS.format(replica_id=replica_id)
+    """Publishes a ``LoadReport`` of ``stats()`` every ``interval_s``, forever."""
     while True:
-        s = stats()
-        report = events_pb2.LoadReport(
-            replica_id=replica_id, address=address, num_running=s.num_running, num_waiting=s.num_waiting,
-            num_kv_blocks_used=s.num_kv_blocks_used, num_kv_blocks_total=s.num_kv_blocks_total,
-            prefix_cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
-            max_num_seqs=max_num_seqs, timestamp_ns=time.time_ns())
-        publisher.publish(subject, report.SerializeToString())
+        publish_load(publisher, replica_id, address, max_num_seqs, stats())
         await asyncio.sleep(interval_s)

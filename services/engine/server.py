@@ -23,7 +23,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
-from services.engine.nats_events import KvEventBuffer, NatsPublisher, report_load
+from services.engine.nats_events import KvEventBuffer, NatsPublisher, publish_load, report_load
 from services.engine.protocol import output_to_proto, sampling_params_from_proto
 from services.engine.threads import openmp_wait_description, set_num_threads
 
@@ -127,6 +127,23 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     grpc_thread.join()
 
 
+async def _drain(engine: AsyncEngine, timeout_s: float) -> None:
+    """Waits for the running requests to finish; at the timeout, ends the rest with UNAVAILABLE (a
+    router moves one that had produced nothing yet to another replica; a started stream sees an
+    error) and gives their streams a moment to carry that out."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while engine.num_active_requests and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.num_active_requests:
+        log.warning("drain timed out after %.0f s: aborting %d request(s)", timeout_s, engine.num_active_requests)
+        engine.abort_all(ServiceUnavailableError(
+            f"the engine replica stopped before the request finished (its drain timed out after {timeout_s:g} s)"))
+        deadline = loop.time() + 2.0
+        while engine.num_active_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+
 def _reachable_address(host: str, port: int) -> str:
     """Where others can reach this server: a wildcard listen address names this host instead."""
     return f"{socket.getfqdn() if host in ('', '0.0.0.0', '::') else host}:{port}"
@@ -168,7 +185,6 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
     log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
     ready = asyncio.create_task(engine_ready.wait())
     await asyncio.wait([ready, asyncio.create_task(stop_requested.wait())], return_when=asyncio.FIRST_COMPLETED)
-    loop = asyncio.get_running_loop()
     if ready.done():
         servicer.accepting = True
         await server.set_serving()
@@ -180,17 +196,18 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
                 events.publisher, config.replica_id, _reachable_address(host, bound), config.max_num_seqs,
                 lambda: servicer.engine.stats, events.load_report_interval_s))
         await stop_requested.wait()
-    log.info("shutting down: no new requests; waiting up to %.0fs for in-flight ones", shutdown_timeout_s)
+    log.info("draining: no new requests; waiting up to %.0f s for the %d in flight", shutdown_timeout_s,
+             servicer.engine.num_active_requests if servicer.engine else 0)
     servicer.accepting = False
     await server.set_serving(False)
+    if reports is not None:
+        reports.cancel()
+        publish_load(events.publisher, config.replica_id, _reachable_address(host, bound), config.max_num_seqs,
+                     servicer.engine.stats, draining=True)  # routers stop sending now, not at their next check
     if servicer.engine is not None:
-        deadline = loop.time() + shutdown_timeout_s
-        while servicer.engine.num_active_requests and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await _drain(servicer.engine, shutdown_timeout_s)
     await server.stop()
     if servicer.engine is not None:
         servicer.engine.shutdown()
-    if reports is not None:
-        reports.cancel()
     if events is not None:
         await events.publisher.close()

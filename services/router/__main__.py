@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-id", default="router-0", help="this router's id in Info and Load")
     parser.add_argument("--health-check-interval", type=float, default=1.0,
                         help="seconds between replica health checks (default: %(default)s)")
+    parser.add_argument("--forget-after", type=float, default=30.0,
+                        help="seconds a replica that joined by its NATS load reports may stay down before it is "
+                             "forgotten (replicas of --engine-addrs are kept) (default: %(default)s)")
     parser.add_argument("--policy", default="cache-aware", choices=POLICIES,
                         help="cache-aware: most prefix-cache overlap while the load is balanced, least load "
                              "otherwise; round-robin: neither (a baseline) (default: %(default)s)")
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("strata-router")
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
-                     args.health_check_interval, args.max_attempts, args.policy, args.metrics_port))
+                     args.health_check_interval, args.max_attempts, args.policy, args.metrics_port,
+                     args.forget_after))
     return 0
 
 

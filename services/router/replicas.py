@@ -4,7 +4,10 @@ A replica is healthy while its gRPC health check says SERVING; it is checked eve
 ``check_interval_s``, and also marked down at once when a call to it fails as unavailable. Its load
 comes from its NATS load reports, or, without NATS or when reports stop, from polling ``Load``.
 Replicas are given by address at start, and a load report from an address not yet known adds one
-(engines can join by publishing).
+(engines can join by publishing: the autoscaler's new replicas do). A replica whose report says it
+is draining (scale-down, SIGTERM) is taken out of routing at once, without waiting for the next
+health check; one that joined by publishing is forgotten once it has been down ``forget_after_s``
+(a drained replica does not come back; a restarted one joins again with its next report).
 """
 
 import asyncio
@@ -37,6 +40,8 @@ class Replica:
     num_waiting: int = 0  # from its load reports (other routers' traffic shows here)
     load_at: float = 0.0  # monotonic time of the last load figure
     in_flight: int = 0  # this router's requests running there
+    static: bool = False  # given at start (kept while down) rather than joined by a load report
+    down_since: float | None = None  # monotonic time it stopped being healthy (or was added)
 
     @classmethod
     def connect(cls, address: str) -> "Replica":
@@ -50,18 +55,32 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, addresses: list[str], check_interval_s: float = 1.0) -> None:
+    def __init__(self, addresses: list[str], check_interval_s: float = 1.0, forget_after_s: float = 30.0) -> None:
         self.replicas: dict[str, Replica] = {}  # by address
         for address in addresses:
-            self.add(address)
+            self.add(address, static=True)
         self.check_interval_s = check_interval_s
+        self.forget_after_s = forget_after_s
         self.on_down = lambda replica: None  # called when a replica stops being healthy
 
-    def add(self, address: str) -> Replica:
+    def add(self, address: str, static: bool = False) -> Replica:
         if address not in self.replicas:
-            self.replicas[address] = Replica.connect(address)
+            replica = Replica.connect(address)
+            replica.static, replica.down_since = static, time.monotonic()
+            self.replicas[address] = replica
             log.info("engine replica %s added", address)
         return self.replicas[address]
+
+    async def forget_departed(self) -> None:
+        """Drops the replicas that joined by a report and have been down ``forget_after_s``."""
+        now = time.monotonic()
+        for replica in [r for r in self.replicas.values() if not r.static and not r.healthy
+                        and r.down_since is not None and now - r.down_since > self.forget_after_s]:
+            log.info("engine replica %s (%s) forgotten: down for %.0f s", replica.name, replica.address,
+                     now - replica.down_since)
+            del self.replicas[replica.address]
+            self.on_down(replica)
+            await replica.channel.close()
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -73,10 +92,15 @@ class ReplicaSet:
         if replica.healthy:
             log.warning("engine replica %s (%s) is down: %s", replica.name, replica.address, reason)
             replica.healthy = False
+            replica.down_since = time.monotonic()
             self.on_down(replica)
 
     def apply_report(self, report: events_pb2.LoadReport) -> None:
         replica = self.by_replica_id(report.replica_id)
+        if report.draining:
+            if replica is not None:
+                self.mark_down(replica, "draining (it finishes its running requests, then exits)")
+            return
         if replica is None and report.address and not report.address.startswith(("0.0.0.0:", "[::]:", ":")):
             replica = self.add(report.address)  # it is checked before it is used
         if replica is not None:
@@ -103,7 +127,7 @@ class ReplicaSet:
             return
         if not replica.healthy:
             log.info("engine replica %s (%s) is serving", replica.name, replica.address)
-            replica.healthy = True
+            replica.healthy, replica.down_since = True, None
 
     async def close(self) -> None:
         await asyncio.gather(*(r.channel.close() for r in self.replicas.values()))

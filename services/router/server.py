@@ -148,10 +148,10 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
 
 async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | None, router_id: str,
                 hash_seed: int, check_interval_s: float, max_attempts: int, policy: str = "cache-aware",
-                metrics_port: int | None = None) -> None:
+                metrics_port: int | None = None, forget_after_s: float = 30.0) -> None:
     """Serves until SIGTERM/SIGINT."""
     index = PrefixIndex()
-    replicas = ReplicaSet(engine_addrs, check_interval_s)
+    replicas = ReplicaSet(engine_addrs, check_interval_s, forget_after_s)
     replicas.on_down = lambda replica: index.forget(replica.replica_id)
     metrics = RouterMetrics()
     if metrics_port is not None:
@@ -179,6 +179,7 @@ async def _check_and_report(replicas: ReplicaSet, server: GrpcServer, index: Pre
     serving = None
     while True:
         await asyncio.gather(*(replicas.check(r) for r in list(replicas.replicas.values())))
+        await replicas.forget_departed()
         for replica in replicas.replicas.values():
             metrics.healthy.labels(replica.name).set(1 if replica.healthy else 0)
             metrics.index_blocks.labels(replica.name).set(index.num_blocks(replica.replica_id))
