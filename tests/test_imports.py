@@ -1,5 +1,5 @@
 """Only engines need torch (DESIGN.md): the tokenizer (with the default-model builder), the router and
-the gateway must not pull in torch or transformers."""
+the gateway, the autoscaler (and `strata up`, which runs them) must not pull in torch or transformers."""
 
 import subprocess
 import sys
@@ -11,6 +11,8 @@ SERVICE_MODULES = {
                   "services.common.default_model", "services.common.model_cli", "services.common.grpc_server"],
     "router": ["services.router.__main__", "services.router.server", "services.common.telemetry"],
     "gateway": ["services.gateway.__main__", "services.gateway.app"],
+    "autoscaler": ["services.autoscaler.__main__", "services.autoscaler.service", "services.autoscaler.local_provider",
+                   "services.launcher"],
 }
 
 

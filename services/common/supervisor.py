@@ -45,8 +45,9 @@ class ChildProcess:
     """One child process and the thread that reads its output."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path | None = None, echo: bool = True,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cpus: set[int] | None = None) -> None:
         self.name = name
+        self.cpus = cpus  # CPU affinity, set right after the spawn (threads the child starts inherit it)
         self.argv = argv
         self.env = env or {}
         self.log_path = log_path
@@ -61,6 +62,11 @@ class ChildProcess:
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+        if self.cpus:
+            try:
+                os.sched_setaffinity(self.process.pid, self.cpus)
+            except OSError:  # it exited already, or the cores are not ours: it runs unpinned
+                pass
         self.starts += 1
 
     def start_reader(self) -> None:
@@ -112,6 +118,14 @@ class ChildProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+@dataclass(frozen=True)
+class ChildStatus:
+    child: ChildProcess
+    up: bool  # its health check passed since its last start
+    retired: bool  # asked to stop for good
+    started_at: float  # monotonic time of its last start
 
 
 @dataclass
@@ -172,15 +186,10 @@ class Supervisor:
         watch.child.terminate()
         self.on_change(name, "retired", "asked to stop (SIGTERM); it finishes what it runs, then exits")
 
-    def children(self) -> list[tuple[ChildProcess, bool, bool]]:
-        """(child, up, retired) for every child watched."""
+    def children(self) -> list["ChildStatus"]:
+        """Every child watched, retired ones included until they exit."""
         with self._lock:
-            return [(w.child, w.up, w.retired_at is not None) for w in self._watches.values()]
-
-    def started_at(self, name: str) -> float | None:
-        with self._lock:
-            watch = self._watches.get(name)
-            return None if watch is None else watch.spawned_at
+            return [ChildStatus(w.child, w.up, w.retired_at is not None, w.spawned_at) for w in self._watches.values()]
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
