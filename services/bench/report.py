@@ -37,6 +37,8 @@ def format_run(run: RunResult, percentile_metrics: list[str], percentiles: list[
         lines.append(_row("Maximum request concurrency:", params["max_concurrency"]))
     if "request_rate" in params:
         lines.append(_row("Request rate configured (RPS):", params["request_rate"]))
+    if "request_rate_schedule" in params:
+        lines.append(_row("Request rate schedule (RPS:s):", params["request_rate_schedule"]))
     lines += [_row("Benchmark duration (s):", m["duration"]),
               _row("Total input tokens:", int(m["total_input_tokens"])),
               _row("Total generated tokens:", int(m["total_output_tokens"])),
@@ -146,6 +148,21 @@ def _verdict(metric: str, ratio: float) -> str:
     if higher is None or not math.isfinite(ratio) or abs(ratio - 1.0) <= 0.01:
         return ""
     return "better" if (ratio > 1.0) == higher else "worse"
+
+
+SEGMENT_COLUMNS = (("rate/s", "rate"), ("secs", "duration_s"), ("sent", "num_sent"), ("done", "num_completed"),
+                   ("failed", "num_failed"), ("p50 TTFT", "median_ttft_ms"), ("p50 TPOT", "median_tpot_ms"),
+                   ("min repl", "min_replicas"), ("max repl", "max_replicas"))
+
+
+def format_segments(segments: list[dict]) -> str:
+    """One line per schedule segment (latencies in ms; `-` where unknown, e.g. no replica gauge)."""
+    lines = [_title(" Schedule segments (latencies in ms) ", "-"),
+             f"{'#':>3}" + "".join(f"{name:>10}" for name, _ in SEGMENT_COLUMNS)]
+    for i, segment in enumerate(segments, 1):
+        cells = "".join(f"{'-' if segment[key] is None else _fmt(segment[key]):>10}" for _, key in SEGMENT_COLUMNS)
+        lines.append(f"{i:>3}{cells}")
+    return "\n".join(lines)
 
 
 def format_sweep(runs: list[RunResult]) -> str:

@@ -16,7 +16,11 @@ A result file is one JSON object:
           "server_metrics": {"counters": {"strata:prompt_tokens_total": 812.0, ...},
                              "gauges": {...}},   # empty when the target has no /metrics
           "errors": {"HTTP 400: ...": 3},         # failure reason -> count
-          "samples": [...] | null         # per-request samples, only when asked for
+          "samples": [...] | null,        # per-request samples, only when asked for
+          "timeline": [...] | null,       # serve, with a schedule or --timeline-metrics-url: one row
+                                          # per scrape of the fleet (`timeline.py` has the row's keys)
+          "segments": [...] | null        # serve with a schedule: each segment's rate, duration and
+                                          # outcome (`timeline.segment_summaries`)
         }
       ]
     }
@@ -47,6 +51,8 @@ class RunResult:
     server_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     samples: list[dict[str, Any]] | None = None
+    timeline: list[dict[str, Any]] | None = None
+    segments: list[dict[str, Any]] | None = None
 
 
 @dataclass

@@ -8,6 +8,12 @@ With --baseline-url, every sweep point runs twice, on --base-url and then on the
 with the same requests (same seed), and a side-by-side table with the ratios ends the output;
 --save-result then also writes the baseline's result as `<name>-<baseline-name>.json`, which
 `strata bench compare` reads like any other.
+
+With --request-rate-schedule RATE:SECONDS,... the arrival rate steps through the segments in one
+run (a ramp, or a step sweep); the schedule decides how many requests there are. A schedule, or
+--timeline-metrics-url, also records a timeline: every --timeline-interval seconds the metrics URLs
+are scraped for the autoscaler's replica counts and the waiting requests, beside the client's rate,
+in-flight count and TTFT; it goes into the result JSON and `<name>_timeline.png`.
 """
 
 import argparse
@@ -29,7 +35,11 @@ from services.bench.datasets import DATASETS, DatasetSpec, sample_requests
 from services.bench.progress import make_progress
 from services.bench.results import BenchResult, RunResult, save_result
 from services.bench.runner import RunPlan, run_point
+from services.bench.schedule import RateSchedule
 from services.bench.stats import LATENCY_METRICS, parse_goodput
+from services.bench.timeline import TimelineSettings
+
+DEFAULT_NUM_PROMPTS = 1000
 
 
 def _floats(text: str) -> list[float]:
@@ -38,6 +48,13 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _schedule(text: str) -> RateSchedule:
+    try:
+        return RateSchedule.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("workload")
     data.add_argument("--dataset-name", default="random", choices=DATASETS)
     data.add_argument("--dataset-path", default=None, help="custom: ShareGPT JSON or JSONL of {prompt, output_tokens}")
-    data.add_argument("--num-prompts", type=int, default=1000, help="requests per sweep point")
+    data.add_argument("--num-prompts", type=int, default=None,
+                      help=f"requests per sweep point (default {DEFAULT_NUM_PROMPTS}); with "
+                           "--request-rate-schedule the schedule sets the count and this is only a bound "
+                           "it must not exceed (default: none)")
     data.add_argument("--num-warmups", type=int, default=0, help="requests sent first and not counted")
     data.add_argument("--prompt-format", default="auto", choices=("auto", "token-ids", "text"),
                       help="auto: token ids on /v1/completions, text on chat")
@@ -72,14 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: tokens of each user's question")
     data.add_argument("--custom-output-len", type=int, default=None, help="custom: max_tokens for every request")
     load = p.add_argument_group("load")
-    load.add_argument("--request-rate", type=_floats, default=[math.inf],
-                      help="requests/s, Poisson arrivals; inf = all at once; a comma list sweeps")
+    load.add_argument("--request-rate", type=_floats, default=None,
+                      help="requests/s, Poisson arrivals; inf = all at once (default); a comma list sweeps")
+    load.add_argument("--request-rate-schedule", type=_schedule, default=None, metavar="RATE:SECONDS,...",
+                      help="a rate that changes during one run, e.g. 2:60,20:120,2:120: each segment's rate "
+                           "(requests/s, finite, 0 pauses) for its seconds, in order; replaces --request-rate")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1.0 = Poisson)")
     load.add_argument("--max-concurrency", type=_ints, default=[None],
                       help="cap on requests in flight; a comma list sweeps")
     load.add_argument("--max-duration", type=float, default=None, help="stop each sweep point after this many seconds")
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for any response byte")
     load.add_argument("--seed", type=int, default=0)
+    fleet = p.add_argument_group("timeline (recorded with a schedule or --timeline-metrics-url)")
+    fleet.add_argument("--timeline-metrics-url", action="append", default=None, metavar="URL",
+                       help="Prometheus /metrics to scrape during the run for the autoscaler's replica counts "
+                            "and waiting requests; repeat or comma-separate (default: the target's /metrics)")
+    fleet.add_argument("--timeline-interval", type=float, default=1.0, help="seconds between timeline samples")
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (exact output lengths)")
     sampling.add_argument("--temperature", type=float, default=None)
@@ -125,6 +153,46 @@ class Target:
     name: str
     base_url: str
     settings: RequestSettings
+    timeline: TimelineSettings | None = None
+
+
+def resolve_load(args: argparse.Namespace) -> None:
+    """Fills --request-rate's and --num-prompts' defaults, which depend on --request-rate-schedule."""
+    if args.request_rate_schedule is None:
+        args.request_rate = args.request_rate or [math.inf]
+        args.num_prompts = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
+        return
+    if args.request_rate is not None:
+        raise ValueError("--request-rate-schedule sets the rate over the run; leave out --request-rate "
+                         "(a schedule such as 1:30,2:30,4:30 is a step sweep in one run)")
+
+
+def timeline_settings(args: argparse.Namespace, base_url: str, explicit: bool) -> TimelineSettings | None:
+    """What to scrape during a run on `base_url`: --timeline-metrics-url where `explicit`, else its own
+    /metrics; None (no timeline) without a schedule or --timeline-metrics-url."""
+    urls = [u.strip() for item in args.timeline_metrics_url or [] for u in item.split(",") if u.strip()]
+    if args.timeline_metrics_url is not None and not urls:
+        raise ValueError("--timeline-metrics-url is empty; give a URL such as http://127.0.0.1:8000/metrics")
+    if args.request_rate_schedule is None and not urls:
+        return None
+    if not (explicit and urls):
+        urls = [server_metrics.metrics_url(base_url)]
+    return TimelineSettings(tuple(urls), args.timeline_interval)
+
+
+def plan_size(plan: RunPlan, num_prompts: int | None) -> int:
+    """How many requests a sweep point sends: --num-prompts, or what its schedule generates."""
+    if plan.schedule is None:
+        return num_prompts
+    num_scheduled = len(plan.offsets())
+    if num_scheduled == 0:
+        raise ValueError(f"--request-rate-schedule {plan.schedule} generates no request with seed {plan.seed}; "
+                         "raise a rate or a duration")
+    if num_prompts is not None and num_scheduled > num_prompts:
+        raise ValueError(f"--request-rate-schedule {plan.schedule} generates {num_scheduled} requests with seed "
+                         f"{plan.seed}, more than --num-prompts {num_prompts}; raise --num-prompts or leave it "
+                         "out (with a schedule the schedule sets the count)")
+    return num_scheduled
 
 
 async def run(args: argparse.Namespace) -> tuple[BenchResult, BenchResult | None]:
@@ -135,37 +203,44 @@ async def run(args: argparse.Namespace) -> tuple[BenchResult, BenchResult | None
     metrics_shown = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     if set(metrics_shown) - set(LATENCY_METRICS):
         raise ValueError(f"--percentile-metrics {args.percentile_metrics}: use {','.join(LATENCY_METRICS)}")
-    if args.num_prompts < 1 or args.num_warmups < 0:
+    resolve_load(args)
+    if (args.num_prompts is not None and args.num_prompts < 1) or args.num_warmups < 0:
         raise ValueError("--num-prompts must be >= 1 and --num-warmups >= 0")
+    rates = [math.inf] if args.request_rate_schedule is not None else args.request_rate
     plans = [RunPlan(request_rate=rate, burstiness=args.burstiness, max_concurrency=conc,
-                     max_duration=args.max_duration, seed=args.seed + i)
-             for i, (rate, conc) in enumerate(itertools.product(args.request_rate, args.max_concurrency))]
+                     max_duration=args.max_duration, seed=args.seed + i, schedule=args.request_rate_schedule)
+             for i, (rate, conc) in enumerate(itertools.product(rates, args.max_concurrency))]
+    sizes = [plan_size(plan, args.num_prompts) for plan in plans]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    urls_models = [("strata", args.base_url, args.model)]
+    # explicit --timeline-metrics-url watch the fleet behind --base-url; a baseline is watched on its own
+    urls_models = [("strata", args.base_url, args.model, timeline_settings(args, args.base_url, explicit=True))]
     if args.baseline_url:
-        urls_models.append((args.baseline_name, args.baseline_url, args.baseline_model))
+        urls_models.append((args.baseline_name, args.baseline_url, args.baseline_model,
+                            timeline_settings(args, args.baseline_url, explicit=False)))
     async with open_session(args.request_timeout, headers) as session:
         targets = []
-        for name, url, model in urls_models:
+        for name, url, model, timeline in urls_models:
             url = url.rstrip("/")
             settings = RequestSettings(url=url + args.endpoint, model=model or await first_model(session, url),
                                        chat=chat, ignore_eos=args.ignore_eos, temperature=args.temperature,
                                        continuous_usage_stats=args.continuous_usage_stats, extra_body=args.extra_body)
-            targets.append(Target(name, url, settings))
+            targets.append(Target(name, url, settings, timeline))
         runs: dict[str, list[RunResult]] = {target.name: [] for target in targets}
-        for plan in plans:
-            sampled = sample_requests(spec, args.num_prompts + args.num_warmups, plan.seed)
-            requests, warmups = sampled[:args.num_prompts], sampled[args.num_prompts:]
+        for plan, num_requests in zip(plans, sizes):
+            sampled = sample_requests(spec, num_requests + args.num_warmups, plan.seed)
+            requests, warmups = sampled[:num_requests], sampled[num_requests:]
             for target in targets:
                 label = plan.label if len(targets) == 1 else f"{target.name}: {plan.label}"
                 progress = make_progress(len(requests), label, disabled=args.disable_tqdm)
                 result = await run_point(session, target.settings, requests, warmups, plan,
                                          server_metrics.metrics_url(target.base_url), args.metric_percentiles, slos,
-                                         on_done=progress.update)
+                                         on_done=progress.update, timeline=target.timeline)
                 progress.close()
                 if len(targets) > 1:
                     print(f"--- {target.name} ({target.base_url}) ---")
                 print(report.format_run(result, metrics_shown, args.metric_percentiles), flush=True)
+                if result.segments:
+                    print(report.format_segments(result.segments), flush=True)
                 runs[target.name].append(result)
     for target in targets:
         if len(plans) > 1:
@@ -173,7 +248,11 @@ async def run(args: argparse.Namespace) -> tuple[BenchResult, BenchResult | None
                 print(f"{target.name}:")
             print(report.format_sweep(runs[target.name]), flush=True)
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
-    config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
+    if args.request_rate_schedule is None:
+        config["request_rate"] = [r if math.isfinite(r) else "inf" for r in args.request_rate]
+    else:
+        config["request_rate_schedule"] = [{"rate": s.rate, "duration_s": s.duration_s}
+                                           for s in args.request_rate_schedule.segments]
     results = [BenchResult(kind="serve", runs=runs[target.name],
                            config=dict(config, model=target.settings.model, base_url=target.base_url))
                for target in targets]
@@ -201,9 +280,10 @@ def _write_result(result: BenchResult, args: argparse.Namespace, stem: str, file
     directory = Path(args.result_dir)
     paths = []
     if not args.no_plots:
-        from services.bench.plots import write_plots
+        from services.bench.plots import write_plots, write_timeline_plots
 
         paths += write_plots(result.runs, directory, stem)
+        paths += write_timeline_plots(result.runs, directory, stem)
     if not args.save_detailed:
         for run in result.runs:
             run.samples = None

@@ -54,10 +54,10 @@ def parse_metrics(text: str) -> Snapshot:
     return snapshot
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> Snapshot | None:
+async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> Snapshot | None:
     """One scrape, or None when the target has no usable `/metrics`."""
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as response:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             if response.status != 200:
                 return None
             return parse_metrics(await response.text()) or None

@@ -31,6 +31,13 @@ class RequestOutput:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cancelled: bool = False
+    sent_s: float | None = None  # when the runner issued it, in seconds after the run's start; None: never
+    done_s: float | None = None  # when it finished, failed or was cancelled, on the same clock
+
+    @property
+    def first_token_s(self) -> float:
+        """When the first token arrived, on the runner's clock (a completed request only)."""
+        return self.done_s - self.latency + self.ttft
 
     @property
     def tpot(self) -> float:

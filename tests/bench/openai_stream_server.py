@@ -3,7 +3,9 @@
 Deterministic: a request for max_tokens N streams exactly N tokens ("t0 t1 ..."), in chunks whose
 sizes cycle through `chunk_sizes` (so some chunks carry several tokens), waiting `token_delay_s`
 per token before each chunk. It reports usage as OpenAI/vLLM do (a final `choices: []` chunk with
-`include_usage`, usage on every chunk with `continuous_usage_stats`). It has no `/metrics`.
+`include_usage`, usage on every chunk with `continuous_usage_stats`). It has no `/metrics` unless
+created with `metrics=True`: then `/metrics` serves the gauges in `ServerState.gauges` (series key ->
+value, e.g. `strata:autoscaler_current_replicas`), which a test may change while a run goes.
 Every `fail_every`-th request is refused with a 503 and an OpenAI error body.
 """
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 MODEL = "tiny-test-model"
 
@@ -29,6 +31,19 @@ class ServerState:
     completion_tokens: int = 0
     num_chunks: int = 0
     bodies: list[dict] = field(default_factory=list)
+    gauges: dict[str, float] = field(default_factory=dict)
+    num_scrapes: int = 0
+
+    def exposition(self) -> str:
+        """`gauges` in the Prometheus text format, one `# TYPE` line per metric name."""
+        lines, typed = [], set()
+        for key, value in sorted(self.gauges.items()):
+            name = key.partition("{")[0]
+            if name not in typed:
+                typed.add(name)
+                lines.append(f"# TYPE {name} gauge")
+            lines.append(f"{key} {value}")
+        return "\n".join(lines) + "\n"
 
 
 def _prompt_tokens(body: dict) -> int:
@@ -39,8 +54,14 @@ def _prompt_tokens(body: dict) -> int:
 
 
 def create_app(state: ServerState, chunk_sizes: tuple[int, ...] = (1, 2, 1, 3), token_delay_s: float = 0.001,
-               fail_every: int = 0) -> FastAPI:
+               fail_every: int = 0, metrics: bool = False) -> FastAPI:
     app = FastAPI()
+
+    if metrics:
+        @app.get("/metrics")
+        async def prometheus() -> PlainTextResponse:
+            state.num_scrapes += 1
+            return PlainTextResponse(state.exposition())
 
     @app.get("/v1/models")
     async def models() -> dict:
