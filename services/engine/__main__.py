@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
     parser.add_argument("--nats-url", help="publish KV-cache events and load reports on this NATS server "
                         "(e.g. nats://127.0.0.1:4222), for the router")
+    parser.add_argument("--advertise-address",
+                        help="the host (name or IP) routers should dial, in the load reports; default: --host, or "
+                             "this machine's name when --host is a wildcard (in a pod: its IP, $(POD_IP))")
     parser.add_argument("--load-report-interval", type=float, default=1.0,
                         help="seconds between load reports on NATS (default: %(default)s)")
     return parser
@@ -35,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_report_interval <= 0:
         raise SystemExit("strata engine: --load-report-interval must be > 0")
     run_server(config, args.host, args.port, args.served_model_name or config.model,
-               args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval)
+               args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval,
+               args.advertise_address)
     return 0
 
 

@@ -91,7 +91,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 def run_server(config: EngineConfig, host: str, port: int, served_model_name: str,
                shutdown_timeout_s: float, metrics_port: int | None, nats_url: str | None = None,
-               load_report_interval_s: float = 1.0) -> None:
+               load_report_interval_s: float = 1.0, advertise_address: str | None = None) -> None:
     """Serves until SIGTERM/SIGINT. The gRPC server (asyncio) runs in a background thread; this
     (main) thread loads the model and then runs the engine loop (see `AsyncEngine.run`). With
     ``nats_url``, KV events and load reports go to NATS (see `nats_events`)."""
@@ -102,7 +102,7 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     servicer = EngineServicer(config, served_model_name)
     stop_requested = asyncio.Event()
     engine_ready = asyncio.Event()
-    events = _EventPublishing(config, nats_url, load_report_interval_s) if nats_url else None
+    events = _EventPublishing(config, nats_url, load_report_interval_s, advertise_address) if nats_url else None
     grpc_thread = threading.Thread(
         target=loop.run_until_complete, name="grpc",
         args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested, events),))
@@ -144,16 +144,22 @@ async def _drain(engine: AsyncEngine, timeout_s: float) -> None:
             await asyncio.sleep(0.05)
 
 
-def _reachable_address(host: str, port: int) -> str:
-    """Where others can reach this server: a wildcard listen address names this host instead."""
-    return f"{socket.getfqdn() if host in ('', '0.0.0.0', '::') else host}:{port}"
+def _reachable_address(host: str, port: int, advertise: str | None = None) -> str:
+    """Where others can reach this server: ``advertise`` (--advertise-address) when given, else the
+    listen address, where a wildcard names this host instead; an IPv6 address in brackets."""
+    name = advertise or (socket.getfqdn() if host in ("", "0.0.0.0", "::", "[::]") else host)
+    if ":" in name and not name.startswith("["):
+        name = f"[{name}]"
+    return f"{name}:{port}"
 
 
 class _EventPublishing:
     """The KV-event buffer the block pool fills, and the NATS publisher its batches and the load
     reports go out through."""
 
-    def __init__(self, config: EngineConfig, nats_url: str, load_report_interval_s: float) -> None:
+    def __init__(self, config: EngineConfig, nats_url: str, load_report_interval_s: float,
+                 advertise_address: str | None = None) -> None:
+        self.advertise_address = advertise_address
         self.buffer = KvEventBuffer(config.replica_id, config.block_size)
         self.publisher = NatsPublisher(nats_url, name=f"strata-engine-{config.replica_id}")
         self.subject = KV_EVENTS.format(replica_id=config.replica_id)
@@ -182,6 +188,7 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
     reports = None
     if events is not None:
         events.publisher.start()
+        address = _reachable_address(host, bound, events.advertise_address)
     log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
     ready = asyncio.create_task(engine_ready.wait())
     await asyncio.wait([ready, asyncio.create_task(stop_requested.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -193,7 +200,7 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
                  core.num_kv_blocks, config.block_size, core.max_model_len)
         if events is not None:
             reports = asyncio.create_task(report_load(
-                events.publisher, config.replica_id, _reachable_address(host, bound), config.max_num_seqs,
+                events.publisher, config.replica_id, address, config.max_num_seqs,
                 lambda: servicer.engine.stats, events.load_report_interval_s))
         await stop_requested.wait()
     log.info("draining: no new requests; waiting up to %.0f s for the %d in flight", shutdown_timeout_s,
@@ -202,7 +209,7 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
     await server.set_serving(False)
     if reports is not None:
         reports.cancel()
-        publish_load(events.publisher, config.replica_id, _reachable_address(host, bound), config.max_num_seqs,
+        publish_load(events.publisher, config.replica_id, address, config.max_num_seqs,
                      servicer.engine.stats, draining=True)  # routers stop sending now, not at their next check
     if servicer.engine is not None:
         await _drain(servicer.engine, shutdown_timeout_s)

@@ -119,3 +119,12 @@ def test_an_engine_serves_while_nats_is_down_and_publishes_once_it_is_up(default
             subscriber.close()
         if nats_server:
             nats_server.stop()
+
+
+def test_the_reported_address_is_one_a_router_can_dial():
+    from services.engine.server import _reachable_address
+
+    assert _reachable_address("127.0.0.1", 50052) == "127.0.0.1:50052"
+    assert _reachable_address("0.0.0.0", 50052, advertise="10.1.2.3") == "10.1.2.3:50052"
+    assert _reachable_address("::", 50052, advertise="fd00::7") == "[fd00::7]:50052"
+    assert not _reachable_address("0.0.0.0", 50052).startswith("0.0.0.0")
