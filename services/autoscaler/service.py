@@ -20,13 +20,14 @@ from services.autoscaler.provider import ReplicaProvider
 from services.common.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("strata.autoscaler")
+_tracer = trace.get_tracer("strata.autoscaler")
 
 
 class Controller:
     def __init__(self, policy: ScalingPolicy, provider: ReplicaProvider, load: FleetLoad,
-                 metrics: AutoscalerMetrics | None = None) -> None:
+                 metrics: AutoscalerMetrics | None = None, tracer: trace.Tracer | None = None) -> None:
         self.autoscaler = Autoscaler(policy)
+        self.tracer = tracer or _tracer
         self.provider = provider
         self.load = load
         self.metrics = metrics or AutoscalerMetrics()
@@ -45,7 +46,7 @@ class Controller:
         self._last_reason = decision.reason
         log.info("scale %s: %d -> %d replicas: %s", decision.direction, decision.current, decision.desired,
                  decision.reason)
-        with tracer.start_as_current_span("autoscaler.scale", attributes={
+        with self.tracer.start_as_current_span("autoscaler.scale", attributes={
                 "strata.autoscaler.direction": decision.direction, "strata.autoscaler.reason": decision.reason,
                 "strata.autoscaler.current_replicas": decision.current,
                 "strata.autoscaler.desired_replicas": decision.desired,

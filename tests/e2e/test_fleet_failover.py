@@ -114,3 +114,27 @@ def test_kill_9_of_one_engine_while_16_streams_run(two_replicas):
     assert healthy_replica_ids(stack.engine_addr) == {"engine-0", "engine-1"}
     print(f"engine-0 serving again {time.monotonic() - killed_at:.1f} s after the kill "
           f"({back_after:.1f} s after the streams ended); {len(cut)} stream(s) cut")
+
+
+@pytest.mark.parametrize("name", ["gateway", "tokenizer", "router", "nats"])
+def test_every_service_comes_back_after_kill_9(two_replicas, name):
+    stack = two_replicas
+    service = stack.service(name)
+    os.kill(service.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        while True:
+            try:
+                response = client.completions.create(model=stack.model_name, prompt="are you back?", max_tokens=3)
+                break
+            except (openai.APIError, openai.APIConnectionError):
+                assert time.monotonic() - killed_at < 60, f"the stack did not serve again after the {name} died"
+                time.sleep(0.2)
+    assert response.usage.completion_tokens == 3
+    while not (service.starts == 2 and any(s.child is service and s.up for s in stack.supervisor.children())):
+        assert time.monotonic() - killed_at < 60, f"the {name} was not restarted"  # (NATS is not on the request path)
+        time.sleep(0.1)
+    assert service.starts == 2 and service.exit_code is None
+    assert stack.supervisor.fatal is None
+    if name == "nats":  # the engines and the router reconnect: load reports flow again
+        wait_for_replicas(stack.engine_addr, 2)
