@@ -24,12 +24,14 @@ SIGTERM if the launcher dies (Linux parent-death signal), so none are left behin
 import argparse
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.nats_auth import TOKEN_VARIABLE, server_config
 from services.common.supervisor import ChildProcess, CrashLoopError, Supervisor
 from services.engine.threads import openmp_wait_env, usable_cores
 
@@ -93,6 +96,8 @@ class Stack:
         self.engine_addr = ""
         self.model_name = ""
         self.autoscaler_metrics_url = ""  # with config.autoscale
+        self._nats_env: dict[str, str] = {}
+        self._private_dir: str | None = None  # the NATS configuration (its token), removed at stop()
         self._checks: dict[str, Callable[[], bool]] = {}  # per service: is it healthy yet
 
     @property
@@ -168,7 +173,9 @@ class Stack:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         for name, argv in commands.items():
             log_path = Path(config.log_dir) / f"{name}.log" if config.log_dir is not None else None
-            env = self._engine_env() if name == "engine" or name.startswith("engine-") else None
+            env = self._engine_env() if name == "engine" or name.startswith("engine-") else {}
+            if name == "autoscaler" or name == "router" or name.startswith("engine"):
+                env.update(self._nats_env)  # the NATS token: in their environment, never on a command line
             self.services.append(ChildProcess(name, argv, log_path, config.echo_logs, env))
         try:
             for service in self.services:
@@ -217,12 +224,19 @@ class Stack:
         return address
 
     def _add_nats(self, commands: dict) -> str | None:
-        """Adds a NATS server for the engines' events, if the nats-server binary is installed."""
+        """Adds a NATS server for the engines' events, if the nats-server binary is installed; it takes
+        only clients holding this stack's random token (given to the engines, the router and the
+        autoscaler in their environment)."""
         binary = nats_server_binary()
         if binary is None:
             return None
         port = find_free_port()
-        commands["nats"] = [binary, "-a", "127.0.0.1", "-p", str(port)]
+        token = secrets.token_urlsafe(24)
+        self._private_dir = tempfile.mkdtemp(prefix="strata-up-")  # mode 0700
+        config_path = Path(self._private_dir) / "nats.conf"
+        config_path.write_text(server_config(token))
+        self._nats_env = {TOKEN_VARIABLE: token}
+        commands["nats"] = [binary, "-c", str(config_path), "-a", "127.0.0.1", "-p", str(port)]
         self._checks["nats"] = lambda: _tcp_open("127.0.0.1", port)
         return f"nats://127.0.0.1:{port}"
 
@@ -253,6 +267,8 @@ class Stack:
         deadline = time.monotonic() + self.config.grace_s
         for service in reversed(self.services):
             service.wait_or_kill(deadline)
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
 
 def nats_server_binary() -> str | None:

@@ -11,6 +11,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests' NATS servers (tests/nats_server.py) require this token, as `strata up`'s do, and every
+# engine, router and autoscaler a test starts inherits it from here.
+os.environ.setdefault("STRATA_NATS_TOKEN", "strata-tests-" + os.urandom(8).hex())
+
 import pytest
 
 from services.common.default_model import ensure_default_model

@@ -7,6 +7,7 @@ import logging
 import uvloop
 
 from services.common.block_hash import DEFAULT_HASH_SEED
+from services.common.nats_auth import is_authenticated
 from services.common.telemetry import setup_tracing
 from services.router.server import POLICIES, serve
 
@@ -16,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50060, help="port, 0 for any free one (default: %(default)s)")
     parser.add_argument("--engine-addrs", default="",
-                        help="comma-separated host:port of the engine replicas (more can join by NATS load reports)")
+                        help="comma-separated host:port of the engine replicas (more can join by their load reports on "
+                             "an authenticated NATS)")
     parser.add_argument("--nats-url", help="follow the engines' KV events and load reports here; without it, "
                         "routing is by load (polled) alone")
     parser.add_argument("--prefix-cache-hash-seed", type=int, default=DEFAULT_HASH_SEED,
@@ -27,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--forget-after", type=float, default=30.0,
                         help="seconds a replica that joined by its NATS load reports may stay down before it is "
                              "forgotten (replicas of --engine-addrs are kept) (default: %(default)s)")
+    parser.add_argument("--max-joined-replicas", type=int, default=64,
+                        help="most replicas that may join by their NATS load reports (default: %(default)s)")
     parser.add_argument("--policy", default="cache-aware", choices=POLICIES,
                         help="cache-aware: most prefix-cache overlap while the load is balanced, least load "
                              "otherwise; round-robin: neither (a baseline) (default: %(default)s)")
@@ -40,15 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     addresses = [a.strip() for a in args.engine_addrs.split(",") if a.strip()]
-    if not addresses and not args.nats_url:
-        parser.error("give --engine-addrs, or --nats-url for engines that announce themselves")
+    if not addresses and not (args.nats_url and is_authenticated(args.nats_url)):
+        parser.error("give --engine-addrs, or --nats-url with NATS credentials (STRATA_NATS_TOKEN or "
+                     "STRATA_NATS_TOKEN_FILE) for engines that announce themselves")
     if args.health_check_interval <= 0 or args.max_attempts < 1:
         parser.error("--health-check-interval must be > 0 and --max-attempts >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("strata-router")
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
                      args.health_check_interval, args.max_attempts, args.policy, args.metrics_port,
-                     args.forget_after))
+                     args.forget_after, args.max_joined_replicas))
     return 0
 
 

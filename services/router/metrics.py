@@ -23,5 +23,19 @@ class RouterMetrics:
                                  "chosen replica already held, per routed request.",
                                  buckets=_FRACTION_BUCKETS, registry=self.registry)
 
+        self.replicas = Gauge("strata:router_replicas", "Replicas the router knows (healthy or not).",
+                              registry=self.registry)
+        self.refused_reports = Counter("strata:router_refused_load_reports", "Load reports from unknown replicas "
+                                       "that were not let join (unauthenticated NATS, no address, table full).",
+                                       registry=self.registry)
+
+    def forget(self, replica: str) -> None:
+        """Drops a departed replica's series, so that replicas coming and going do not pile up."""
+        for family in (self.routed, self.failovers, self.healthy, self.in_flight, self.index_blocks):
+            try:
+                family.remove(replica)
+            except KeyError:
+                pass
+
     def start_http_server(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -4,7 +4,9 @@ A replica is healthy while its gRPC health check says SERVING; it is checked eve
 ``check_interval_s``, and also marked down at once when a call to it fails as unavailable. Its load
 comes from its NATS load reports, or, without NATS or when reports stop, from polling ``Load``.
 Replicas are given by address at start, and a load report from an address not yet known adds one
-(engines can join by publishing: the autoscaler's new replicas do). A replica whose report says it
+(engines can join by publishing: the autoscaler's new replicas do), but only when the router's
+NATS connection is authenticated (`services.common.nats_auth`: then only holders of the token can
+publish) and only up to ``max_joined`` of them; a report that may not join is dropped and logged. A replica whose report says it
 is draining (scale-down, SIGTERM) is taken out of routing at once, without waiting for the next
 health check; one that joined by publishing is forgotten once it has been down ``forget_after_s``
 (a drained replica does not come back; a restarted one joins again with its next report).
@@ -55,13 +57,19 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, addresses: list[str], check_interval_s: float = 1.0, forget_after_s: float = 30.0) -> None:
+    def __init__(self, addresses: list[str], check_interval_s: float = 1.0, forget_after_s: float = 30.0,
+                 allow_joins: bool = False, max_joined: int = 64) -> None:
         self.replicas: dict[str, Replica] = {}  # by address
         for address in addresses:
             self.add(address, static=True)
         self.check_interval_s = check_interval_s
         self.forget_after_s = forget_after_s
+        self.allow_joins = allow_joins
+        self.max_joined = max_joined
+        self.num_refused = 0  # load reports from unknown replicas that were not let in
         self.on_down = lambda replica: None  # called when a replica stops being healthy
+        self.on_forget = lambda replica: None  # called when a departed replica is dropped
+        self.on_refused = lambda report: None  # called for each load report refused
 
     def add(self, address: str, static: bool = False) -> Replica:
         if address not in self.replicas:
@@ -70,6 +78,23 @@ class ReplicaSet:
             self.replicas[address] = replica
             log.info("engine replica %s added", address)
         return self.replicas[address]
+
+    def _may_join(self, report: events_pb2.LoadReport) -> bool:
+        reason = None
+        if not self.allow_joins:
+            reason = "NATS is not authenticated, so only --engine-addrs are routed to"
+        elif not report.address or report.address.startswith(("0.0.0.0:", "[::]:", ":")):
+            reason = "its report names no address to dial"
+        elif sum(1 for r in self.replicas.values() if not r.static) >= self.max_joined:
+            reason = f"{self.max_joined} replicas joined already (--max-joined-replicas)"
+        if reason is None:
+            return True
+        self.num_refused += 1
+        self.on_refused(report)
+        if self.num_refused <= 10 or self.num_refused % 1000 == 0:  # logged, but a flood does not flood the log
+            log.warning("load report from unknown replica %r at %r refused (%d so far): %s", report.replica_id[:64],
+                        report.address[:64], self.num_refused, reason)
+        return False
 
     async def forget_departed(self) -> None:
         """Drops the replicas that joined by a report and have been down ``forget_after_s``."""
@@ -80,6 +105,7 @@ class ReplicaSet:
                      now - replica.down_since)
             del self.replicas[replica.address]
             self.on_down(replica)
+            self.on_forget(replica)
             await replica.channel.close()
 
     def healthy(self) -> list[Replica]:
@@ -96,13 +122,15 @@ class ReplicaSet:
             self.on_down(replica)
 
     def apply_report(self, report: events_pb2.LoadReport) -> None:
-        replica = self.by_replica_id(report.replica_id)
+        replica = self.by_replica_id(report.replica_id) or self.replicas.get(report.address)
         if report.draining:
             if replica is not None:
                 self.mark_down(replica, "draining (it finishes its running requests, then exits)")
             return
-        if replica is None and report.address and not report.address.startswith(("0.0.0.0:", "[::]:", ":")):
-            replica = self.add(report.address)  # it is checked before it is used
+        if replica is None and report.address not in self.replicas:
+            if not self._may_join(report):
+                return
+            replica = self.add(report.address)  # it is checked (health SERVING) before it is used
         if replica is not None:
             replica.num_waiting = report.num_waiting
             replica.load_at = time.monotonic()

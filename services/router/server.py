@@ -20,6 +20,7 @@ from services.common.block_hash import hash_prompt_blocks
 from services.common.errors import ServiceUnavailableError
 from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
 from services.common.grpc_server import GrpcServer
+from services.common.nats_auth import connect_options, is_authenticated
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
 from services.router.policy import Candidate, choose
 from services.router.metrics import RouterMetrics
@@ -139,7 +140,7 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
         replicas.apply_report(events_pb2.LoadReport.FromString(message.data))
 
     connection = await nats.connect(nats_url, name="strata-router", max_reconnect_attempts=-1,
-                                    reconnect_time_wait=0.5)
+                                    reconnect_time_wait=0.5, **connect_options())
     await connection.subscribe(ALL_KV_EVENTS, cb=on_kv_events)
     await connection.subscribe(ALL_LOAD_REPORTS, cb=on_load_report)
     log.info("following KV events and load reports on NATS at %s", nats_url)
@@ -148,12 +149,18 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
 
 async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | None, router_id: str,
                 hash_seed: int, check_interval_s: float, max_attempts: int, policy: str = "cache-aware",
-                metrics_port: int | None = None, forget_after_s: float = 30.0) -> None:
+                metrics_port: int | None = None, forget_after_s: float = 30.0, max_joined: int = 64) -> None:
     """Serves until SIGTERM/SIGINT."""
     index = PrefixIndex()
-    replicas = ReplicaSet(engine_addrs, check_interval_s, forget_after_s)
+    allow_joins = nats_url is not None and is_authenticated(nats_url)
+    replicas = ReplicaSet(engine_addrs, check_interval_s, forget_after_s, allow_joins, max_joined)
+    if nats_url is not None and not allow_joins:
+        log.warning("NATS at %s without credentials: replicas may not join by their load reports "
+                    "(set STRATA_NATS_TOKEN); routing to --engine-addrs only", nats_url)
     replicas.on_down = lambda replica: index.forget(replica.replica_id)
     metrics = RouterMetrics()
+    replicas.on_forget = lambda replica: metrics.forget(replica.name)
+    replicas.on_refused = lambda report: metrics.refused_reports.inc()
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
     servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts, policy=policy, metrics=metrics)
@@ -180,6 +187,7 @@ async def _check_and_report(replicas: ReplicaSet, server: GrpcServer, index: Pre
     while True:
         await asyncio.gather(*(replicas.check(r) for r in list(replicas.replicas.values())))
         await replicas.forget_departed()
+        metrics.replicas.set(len(replicas.replicas))
         for replica in replicas.replicas.values():
             metrics.healthy.labels(replica.name).set(1 if replica.healthy else 0)
             metrics.index_blocks.labels(replica.name).set(index.num_blocks(replica.replica_id))

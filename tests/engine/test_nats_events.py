@@ -9,6 +9,7 @@ import time
 import pytest
 
 from services.common.block_hash import hash_prompt_blocks
+from services.common.nats_auth import connect_options
 from services.common.pb import events_pb2
 from tests.engine.test_engine_server import EngineProcess, generate_request
 from tests.nats_server import NatsServer
@@ -32,7 +33,7 @@ class Subscriber:
     async def _subscribe(self, url: str) -> None:
         import nats
 
-        self._connection = await nats.connect(url)
+        self._connection = await nats.connect(url, **connect_options())
 
         async def on_message(message) -> None:
             self.messages.append((message.subject, message.data))

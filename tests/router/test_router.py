@@ -19,14 +19,14 @@ from tests.nats_server import NatsServer
 
 class RouterProcess:
     def __init__(self, port: int, engine_addrs: list[str], nats_url: str, log_path, metrics_port: int,
-                 check_interval_s: float = 60) -> None:
+                 check_interval_s: float = 60, extra_args: tuple[str, ...] = ()) -> None:
         self.log_path = log_path
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.router", "--port", str(port), "--engine-addrs", ",".join(engine_addrs),
                  "--nats-url", nats_url, "--health-check-interval", str(check_interval_s),
-                 "--metrics-port", str(metrics_port)],
+                 "--metrics-port", str(metrics_port), *extra_args],
                 stdout=log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
