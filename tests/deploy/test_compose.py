@@ -6,6 +6,7 @@ other by the ports they listen on."""
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,19 @@ def test_services_reach_each_other_where_they_listen():
     for name in ("tokenizer", "engine", "router"):
         assert SERVICES[name]["healthcheck"]["test"][-1] == f"127.0.0.1:{ports[name]}"
     assert SERVICES["gateway"]["ports"] == [f"{ports['gateway']}:{ports['gateway']}"]
+
+
+def test_the_file_follows_the_compose_spec():
+    checker = Path(sys.executable).parent / "check-jsonschema"
+    result = subprocess.run([str(checker), "--builtin-schema", "vendor.compose-spec",
+                             str(Path(__file__).parents[2] / "docker-compose.yml")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_nats_is_private_and_authenticated():
+    assert "ports" not in SERVICES["nats"], "NATS must not be published on the host"
+    assert "authorization" in SERVICES["nats"]["command"][0] and "nats_token" in SERVICES["nats"]["secrets"]
+    assert COMPOSE["secrets"]["nats_token"] == {"environment": "STRATA_NATS_TOKEN"}
+    for name in ("engine", "router"):  # the services on NATS read the token from the secret's file
+        assert "nats_token" in SERVICES[name]["secrets"]
+        assert SERVICES[name]["environment"]["STRATA_NATS_TOKEN_FILE"] == "/run/secrets/nats_token"
