@@ -43,6 +43,9 @@ POD_FIELDS = {"metadata.name": "strata-engine-5f7d9c6b8-x2x9q", "metadata.namesp
 PARSE = {"tokenizer": tokenizer_parser().parse_args, "engine": engine_parser().parse_args,
          "router": router_parser().parse_args, "gateway": gateway_args}
 METRICS_ON_MAIN_PORT = {"gateway"}  # its /metrics is a route of its HTTP app
+# Secrets the operator creates before applying (deploy/kubernetes/README.md): never in the build, so no
+# default token ships; a pod that needs one does not start without it.
+REQUIRED_SECRETS = {"strata-nats": "token"}
 DRAIN_MARGIN_S = 10  # after --shutdown-timeout: aborting what is left, stopping gRPC, closing NATS
 
 
@@ -108,7 +111,10 @@ def environment(build: Build, container_spec: dict, overrides: dict[str, str]) -
             ref = source["configMapKeyRef"]
             env[name] = overrides.get(ref["key"], build.get("ConfigMap", ref["name"])["data"][ref["key"]])
         elif "secretKeyRef" in source:
-            assert source["secretKeyRef"].get("optional"), f"{name}: a Secret that is not in the build"
+            ref = source["secretKeyRef"]
+            assert ref.get("optional") or REQUIRED_SECRETS.get(ref["name"]) == ref["key"], \
+                f"{name}: a Secret that is not in the build"
+            env[name] = overrides.get(ref["key"], "a-secret")
     return env
 
 
@@ -188,10 +194,11 @@ def engine_metric_names() -> frozenset[str]:
 
 
 def nats_flags(deployment: dict) -> dict[str, str]:
-    """The NATS server's ``--name=value`` flags."""
-    command = container(deployment)["command"]
-    assert command[0] == "nats-server"
-    return raw_flags(command[1:])
+    """The NATS server's ``--name=value`` flags (after the shell line that writes its config)."""
+    spec = container(deployment)
+    assert spec["command"] == ["sh", "-c"]
+    words = spec["args"][0].split()
+    return raw_flags(words[words.index("nats-server") + 1:])
 
 
 def prometheus_label(pod_label: str) -> str:
@@ -530,3 +537,17 @@ def test_keda_scales_on_metrics_the_engines_export_with_the_autoscalers_policy(k
     assert float(kv_usage["metadata"]["threshold"]) == float(flags["target-kv-usage"])
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == float(flags["scale-up-stabilization"])
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == float(flags["scale-down-stabilization"])
+
+
+def test_every_nats_client_and_nats_itself_use_the_token_secret(build):
+    """NATS asks for the token of the Secret strata-nats; every service on NATS presents it."""
+    on_nats = [d for d in build.of_kind("Deployment")
+               if any("--nats-url" in arg for arg in container(d).get("args", []))
+               or pod_labels(d).get("app.kubernetes.io/component") == "nats"]
+    assert {pod_labels(d).get("app.kubernetes.io/component") for d in on_nats} >= {"nats", "engine", "router"}
+    for deployment in on_nats:
+        refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container(deployment).get("env", [])
+                if "secretKeyRef" in v.get("valueFrom", {})}
+        assert refs.get("STRATA_NATS_TOKEN") == {"name": "strata-nats", "key": "token"}, deployment["metadata"]["name"]
+    nats = next(d for d in on_nats if pod_labels(d).get("app.kubernetes.io/component") == "nats")
+    assert "authorization" in " ".join(container(nats)["args"]) and "STRATA_NATS_TOKEN" not in container(nats)["command"]
