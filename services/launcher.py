@@ -29,7 +29,6 @@ import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,7 +71,7 @@ class StackConfig:
     log_dir: Path | None = None
     echo_logs: bool = True
     startup_timeout_s: float = 300.0
-    grace_s: float = 10.0
+    grace_s: float = 70.0  # to stop: running streams finish first (engines drain up to their --shutdown-timeout)
     cache_dir: Path | None = None  # where the default model is built (None: its own default)
     replicas: int = 1  # engine replicas; more than one puts a router (and NATS, when installed) in front
     router_args: list[str] = field(default_factory=list)
@@ -259,16 +258,27 @@ class Stack:
                 raise StartupError(service.describe_exit())
 
     def stop(self) -> None:
-        """SIGTERM to every child (gateway first), SIGKILL to any still alive after the grace."""
+        """Drains, then stops: SIGTERM to the gateway first, which stops taking requests and lets its
+        running streams finish (the services behind it still serve them), then SIGTERM to the rest;
+        SIGKILL to anything still alive after the grace."""
         if self.supervisor is not None:
             self.supervisor.stop()  # no restarts from here on
-        for service in reversed(self.services):
-            service.terminate()
         deadline = time.monotonic() + self.config.grace_s
-        for service in reversed(self.services):
-            service.wait_or_kill(deadline)
+        front = [s for s in self.services if s.name == "gateway"]
+        rest = [s for s in reversed(self.services) if s.name != "gateway"]
+        for group in (front, rest):
+            for service in group:
+                service.terminate()
+            for service in group:
+                service.wait_or_kill(max(deadline, time.monotonic() + 2.0) if group is rest else deadline)
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL to every child at once (a second Ctrl-C)."""
+        for service in self.services:
+            if service.exit_code is None and service.process is not None:
+                service.process.kill()
 
 
 def nats_server_binary() -> str | None:
@@ -335,8 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, help="write each service's log to DIR/<service>.log "
                         "instead of prefixing it to this terminal")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
-    parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds between SIGTERM and SIGKILL at shutdown (default: %(default)s)")
+    parser.add_argument("--grace", type=float, default=70.0,
+                        help="seconds the stack may take to stop after Ctrl-C/SIGTERM: running streams finish "
+                             "first (the drain), then SIGKILL; a second Ctrl-C stops at once (default: %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -381,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                          autoscale=args.autoscale, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                          autoscaler_args=shlex.split(args.autoscaler_args),
                          startup_timeout_s=args.startup_timeout, grace_s=args.grace)
-    _stop_on_signals()
     stack = Stack(config)
+    _stop_on_signals(stack)
     logs = f" (logs in {args.log_dir})" if args.log_dir else ""
     print(f"strata up: starting the services{logs} ...", flush=True)
     try:
@@ -401,16 +412,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"strata up: {error}", file=sys.stderr, flush=True)
         return 1
     finally:
-        print("strata up: stopping ...", file=sys.stderr, flush=True)
+        print("strata up: stopping: running streams finish first (Ctrl-C again to stop at once) ...",
+              file=sys.stderr, flush=True)
         stack.stop()
 
 
-def _stop_on_signals() -> None:
-    """Ctrl-C and SIGTERM both unwind main() into Stack.stop(); later signals are ignored so the
-    shutdown itself is not interrupted."""
+def _stop_on_signals(stack: "Stack") -> None:
+    """Ctrl-C and SIGTERM both unwind main() into Stack.stop(), which drains; a second one stops
+    everything at once."""
+    def on_second_signal(*_) -> None:
+        print("strata up: stopping now (SIGKILL)", file=sys.stderr, flush=True)
+        stack.kill()
+
     def on_signal(*_) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_IGN)
+            signal.signal(signum, on_second_signal)
         raise KeyboardInterrupt
 
     for signum in (signal.SIGINT, signal.SIGTERM):

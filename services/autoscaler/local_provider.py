@@ -18,7 +18,7 @@ from pathlib import Path
 
 from services.autoscaler.provider import FleetState
 from services.common.supervisor import ChildProcess, ChildStatus, Supervisor
-from services.engine.threads import openmp_wait_env, usable_cores
+from services.engine.threads import openmp_wait_env
 
 log = logging.getLogger(__name__)
 

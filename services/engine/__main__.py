@@ -15,8 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50052, help="gRPC port, 0 for any (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=60.0,
+                        help="seconds running requests may take to finish after SIGTERM (the drain); what is left "
+                             "then ends with UNAVAILABLE (default: %(default)s)")
     parser.add_argument("--nats-url", help="publish KV-cache events and load reports on this NATS server "
                         "(e.g. nats://127.0.0.1:4222), for the router")
     parser.add_argument("--advertise-address",

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cache-aware: most prefix-cache overlap while the load is balanced, least load "
                              "otherwise; round-robin: neither (a baseline) (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--shutdown-timeout", type=float, default=60.0,
+                        help="seconds the streams it relays may take to finish after SIGTERM; new requests are "
+                             "refused meanwhile (default: %(default)s)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas a request may try when they fail before its first token (default: %(default)s)")
     return parser
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_tracing("strata-router")
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
                      args.health_check_interval, args.max_attempts, args.policy, args.metrics_port,
-                     args.forget_after, args.max_joined_replicas))
+                     args.forget_after, args.max_joined_replicas, args.shutdown_timeout))
     return 0
 
 

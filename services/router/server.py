@@ -149,7 +149,8 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
 
 async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | None, router_id: str,
                 hash_seed: int, check_interval_s: float, max_attempts: int, policy: str = "cache-aware",
-                metrics_port: int | None = None, forget_after_s: float = 30.0, max_joined: int = 64) -> None:
+                metrics_port: int | None = None, forget_after_s: float = 30.0, max_joined: int = 64,
+                shutdown_timeout_s: float = 60.0) -> None:
     """Serves until SIGTERM/SIGINT."""
     index = PrefixIndex()
     allow_joins = nats_url is not None and is_authenticated(nats_url)
@@ -164,7 +165,7 @@ async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | N
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
     servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts, policy=policy, metrics=metrics)
-    server = GrpcServer([SERVICE_NAME])
+    server = GrpcServer([SERVICE_NAME], grace_s=shutdown_timeout_s)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}")
     await server.start()
