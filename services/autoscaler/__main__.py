@@ -14,6 +14,7 @@ import uvloop
 
 from services.autoscaler.decision import ScalingPolicy
 from services.common.telemetry import setup_tracing
+from services.common.tls import add_tls_args, tls_from_args
 
 PROVIDERS = ("local", "kubernetes")
 
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a drained engine may take to finish its requests (its --shutdown-timeout) "
                             "(default: %(default)s)")
     local.add_argument("--log-dir", type=Path, help="write each engine's log to DIR/<replica>.log")
+    add_tls_args(parser)  # its health service; the local provider's engines get the same files
     return parser
 
 
@@ -75,7 +77,7 @@ def policy_from_args(args: argparse.Namespace) -> ScalingPolicy:
                          warmup_timeout_s=args.warmup_timeout)
 
 
-def make_provider(args: argparse.Namespace, parser: argparse.ArgumentParser):
+def make_provider(args: argparse.Namespace, parser: argparse.ArgumentParser, tls):
     if args.provider == "kubernetes":
         from services.autoscaler.kubernetes_provider import KubernetesProvider
 
@@ -87,7 +89,7 @@ def make_provider(args: argparse.Namespace, parser: argparse.ArgumentParser):
     engine_args = ["--model", args.model, "--nats-url", args.nats_url,
                    "--shutdown-timeout", str(args.drain_timeout), *shlex.split(args.engine_args)]
     return LocalProcessProvider(engine_args, args.max_replicas, host=args.engine_host, log_dir=args.log_dir,
-                                echo_logs=args.log_dir is None, drain_timeout_s=args.drain_timeout)
+                                echo_logs=args.log_dir is None, drain_timeout_s=args.drain_timeout, tls=tls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     metrics = AutoscalerMetrics()
     if args.metrics_port is not None:
         metrics.start_http_server(args.host, args.metrics_port)
-    provider = make_provider(args, parser)
+    tls = tls_from_args(args, parser)
+    provider = make_provider(args, parser, tls)
     controller = Controller(policy, provider, FleetLoad(args.load_max_age), metrics)
-    uvloop.run(serve(controller, args.nats_url, args.host, args.port, args.interval))
+    uvloop.run(serve(controller, args.nats_url, args.host, args.port, args.interval, tls))
     return 0
 
 

@@ -18,15 +18,16 @@ from pathlib import Path
 
 from services.autoscaler.provider import FleetState
 from services.common.supervisor import ChildProcess, ChildStatus, Supervisor
+from services.common.tls import TlsFiles
 from services.engine.threads import openmp_wait_env
 
 log = logging.getLogger(__name__)
 
 
-def _serving(address: str) -> bool:
+def _serving(address: str, tls: TlsFiles | None) -> bool:
     from services.common.health_probe import serving
 
-    return serving(address, timeout_s=1.0)
+    return serving(address, timeout_s=1.0, tls=tls)
 
 
 class LocalProcessProvider:
@@ -34,8 +35,10 @@ class LocalProcessProvider:
 
     def __init__(self, engine_args: list[str], max_replicas: int, host: str = "127.0.0.1",
                  log_dir: Path | None = None, echo_logs: bool = True, drain_timeout_s: float = 60.0,
-                 python: str = sys.executable) -> None:
-        self.engine_argv = [python, "-m", "services.engine", "--host", host, *engine_args]
+                 python: str = sys.executable, tls: TlsFiles | None = None) -> None:
+        self.tls = tls
+        self.engine_argv = [python, "-m", "services.engine", "--host", host, *engine_args,
+                            *(tls.flags() if tls else [])]
         self.host = host
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.echo_logs = echo_logs
@@ -88,7 +91,7 @@ class LocalProcessProvider:
         log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
         child = ChildProcess(name, [*self.engine_argv, "--replica-id", name, "--port", address.rsplit(":", 1)[1]],
                              log_path, self.echo_logs, env, cpus=self._slot_cores[slot])
-        self.supervisor.add(child, lambda: _serving(address))
+        self.supervisor.add(child, lambda: _serving(address, self.tls))
         log.info("starting replica %s at %s on cores %s", name, address, sorted(self._slot_cores[slot]))
 
     def close(self, timeout_s: float | None = None) -> None:

@@ -18,6 +18,7 @@ from services.autoscaler.load import FleetLoad
 from services.autoscaler.metrics import AutoscalerMetrics
 from services.autoscaler.provider import ReplicaProvider
 from services.common.grpc_server import GrpcServer
+from services.common.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("strata.autoscaler")
@@ -64,11 +65,12 @@ class Controller:
             await asyncio.sleep(interval_s)
 
 
-async def serve(controller: Controller, nats_url: str, host: str, port: int, interval_s: float) -> None:
+async def serve(controller: Controller, nats_url: str, host: str, port: int, interval_s: float,
+                tls: TlsFiles | None = None) -> None:
     """Runs the loop and serves grpc.health.v1 (SERVING while it runs) until SIGTERM/SIGINT; then
     the provider is closed (a local provider drains its replicas)."""
     server = GrpcServer([])
-    bound = server.add_port(f"{host}:{port}")
+    bound = server.add_port(f"{host}:{port}", tls)
     await server.start()
     connection = await controller.load.follow(nats_url)
     await server.set_serving()

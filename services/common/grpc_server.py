@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
+from services.common.tls import TlsFiles
 from services.common.errors import InvalidRequestError, ResourceExhaustedError, ServiceUnavailableError
 
 log = logging.getLogger(__name__)
@@ -160,9 +161,13 @@ class GrpcServer:
             (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
 
-    def add_port(self, address: str) -> int:
-        """Listens (without TLS) on `address`, such as "127.0.0.1:50051"; returns the bound port."""
-        port = self.server.add_insecure_port(address)
+    def add_port(self, address: str, tls: TlsFiles | None = None) -> int:
+        """Listens on `address`, such as "127.0.0.1:50051", with TLS when ``tls`` is given (mTLS when it
+        names a CA; `services.common.tls`); returns the bound port."""
+        if tls is not None:
+            port = self.server.add_secure_port(address, tls.server_credentials())
+        else:
+            port = self.server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         return port

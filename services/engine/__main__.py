@@ -4,6 +4,7 @@ import argparse
 import logging
 
 from services.common.telemetry import setup_tracing
+from services.common.tls import add_tls_args, tls_from_args
 from services.engine.engine_args import add_engine_args, config_from_args
 from services.engine.threads import use_openmp_wait_policy
 
@@ -25,11 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "this machine's name when --host is a wildcard (in a pod: its IP, $(POD_IP))")
     parser.add_argument("--load-report-interval", type=float, default=1.0,
                         help="seconds between load reports on NATS (default: %(default)s)")
+    add_tls_args(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tls = tls_from_args(args, parser)
     use_openmp_wait_policy()  # before the server's imports load torch
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("strata engine: --load-report-interval must be > 0")
     run_server(config, args.host, args.port, args.served_model_name or config.model,
                args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval,
-               args.advertise_address)
+               args.advertise_address, tls)
     return 0
 
 

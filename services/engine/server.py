@@ -19,6 +19,7 @@ from services.common.errors import ServiceUnavailableError
 from services.common.event_subjects import KV_EVENTS
 from services.common.grpc_server import GrpcServer
 from services.common.pb import engine_pb2, engine_pb2_grpc
+from services.common.tls import TlsFiles
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
@@ -91,7 +92,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 def run_server(config: EngineConfig, host: str, port: int, served_model_name: str,
                shutdown_timeout_s: float, metrics_port: int | None, nats_url: str | None = None,
-               load_report_interval_s: float = 1.0, advertise_address: str | None = None) -> None:
+               load_report_interval_s: float = 1.0, advertise_address: str | None = None,
+               tls: TlsFiles | None = None) -> None:
     """Serves until SIGTERM/SIGINT. The gRPC server (asyncio) runs in a background thread; this
     (main) thread loads the model and then runs the engine loop (see `AsyncEngine.run`). With
     ``nats_url``, KV events and load reports go to NATS (see `nats_events`)."""
@@ -105,7 +107,7 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     events = _EventPublishing(config, nats_url, load_report_interval_s, advertise_address) if nats_url else None
     grpc_thread = threading.Thread(
         target=loop.run_until_complete, name="grpc",
-        args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested, events),))
+        args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested, events, tls),))
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -179,11 +181,11 @@ class _EventPublishing:
 
 async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_timeout_s: float,
                       engine_ready: asyncio.Event, stop_requested: asyncio.Event,
-                      events: _EventPublishing | None) -> None:
+                      events: _EventPublishing | None, tls: TlsFiles | None = None) -> None:
     config = servicer.config
     server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
-    bound = server.add_port(f"{host}:{port}")
+    bound = server.add_port(f"{host}:{port}", tls)
     await server.start()
     reports = None
     if events is not None:

@@ -9,6 +9,7 @@ import uvloop
 from services.common.block_hash import DEFAULT_HASH_SEED
 from services.common.nats_auth import is_authenticated
 from services.common.telemetry import setup_tracing
+from services.common.tls import add_tls_args, tls_from_args
 from services.router.server import POLICIES, serve
 
 
@@ -40,12 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "refused meanwhile (default: %(default)s)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas a request may try when they fail before its first token (default: %(default)s)")
+    add_tls_args(parser)  # served to the gateway, and presented to (and verifying) the engines
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    tls = tls_from_args(args, parser)
     addresses = [a.strip() for a in args.engine_addrs.split(",") if a.strip()]
     if not addresses and not (args.nats_url and is_authenticated(args.nats_url)):
         parser.error("give --engine-addrs, or --nats-url with NATS credentials (STRATA_NATS_TOKEN or "
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_tracing("strata-router")
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
                      args.health_check_interval, args.max_attempts, args.policy, args.metrics_port,
-                     args.forget_after, args.max_joined_replicas, args.shutdown_timeout))
+                     args.forget_after, args.max_joined_replicas, args.shutdown_timeout, tls))
     return 0
 
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import telemetry
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
+from services.common.tls import TlsFiles, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,8 @@ class Replica:
     down_since: float | None = None  # monotonic time it stopped being healthy (or was added)
 
     @classmethod
-    def connect(cls, address: str) -> "Replica":
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS,
-                                            interceptors=telemetry.client_interceptors())
+    def connect(cls, address: str, tls: TlsFiles | None = None) -> "Replica":
+        channel = aio_channel(address, tls, options=_CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors())
         return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel))
 
     @property
@@ -58,8 +58,9 @@ class Replica:
 
 class ReplicaSet:
     def __init__(self, addresses: list[str], check_interval_s: float = 1.0, forget_after_s: float = 30.0,
-                 allow_joins: bool = False, max_joined: int = 64) -> None:
+                 allow_joins: bool = False, max_joined: int = 64, tls: TlsFiles | None = None) -> None:
         self.replicas: dict[str, Replica] = {}  # by address
+        self.tls = tls
         for address in addresses:
             self.add(address, static=True)
         self.check_interval_s = check_interval_s
@@ -73,7 +74,7 @@ class ReplicaSet:
 
     def add(self, address: str, static: bool = False) -> Replica:
         if address not in self.replicas:
-            replica = Replica.connect(address)
+            replica = Replica.connect(address, self.tls)
             replica.static, replica.down_since = static, time.monotonic()
             self.replicas[address] = replica
             log.info("engine replica %s added", address)

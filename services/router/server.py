@@ -22,6 +22,7 @@ from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
 from services.common.grpc_server import GrpcServer
 from services.common.nats_auth import connect_options, is_authenticated
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
+from services.common.tls import TlsFiles
 from services.router.policy import Candidate, choose
 from services.router.metrics import RouterMetrics
 from services.router.prefix_index import PrefixIndex
@@ -150,11 +151,11 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
 async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | None, router_id: str,
                 hash_seed: int, check_interval_s: float, max_attempts: int, policy: str = "cache-aware",
                 metrics_port: int | None = None, forget_after_s: float = 30.0, max_joined: int = 64,
-                shutdown_timeout_s: float = 60.0) -> None:
+                shutdown_timeout_s: float = 60.0, tls: TlsFiles | None = None) -> None:
     """Serves until SIGTERM/SIGINT."""
     index = PrefixIndex()
     allow_joins = nats_url is not None and is_authenticated(nats_url)
-    replicas = ReplicaSet(engine_addrs, check_interval_s, forget_after_s, allow_joins, max_joined)
+    replicas = ReplicaSet(engine_addrs, check_interval_s, forget_after_s, allow_joins, max_joined, tls)
     if nats_url is not None and not allow_joins:
         log.warning("NATS at %s without credentials: replicas may not join by their load reports "
                     "(set STRATA_NATS_TOKEN); routing to --engine-addrs only", nats_url)
@@ -167,7 +168,7 @@ async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | N
     servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts, policy=policy, metrics=metrics)
     server = GrpcServer([SERVICE_NAME], grace_s=shutdown_timeout_s)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
-    bound = server.add_port(f"{host}:{port}")
+    bound = server.add_port(f"{host}:{port}", tls)
     await server.start()
     log.info("router %s listening on %s:%d for %d engine replica(s)", router_id, host, bound, len(engine_addrs))
     connection = await subscribe_events(nats_url, replicas, index) if nats_url else None

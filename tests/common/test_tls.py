@@ -1,0 +1,66 @@
+"""mTLS on the gRPC hops, on real processes with certificates made by openssl: an engine and a
+router serve TLS with client certificates required; a client with the stack's certificate is served
+(through the router, which presents its own certificate to the engine), while a plaintext client, a
+client without a certificate and one whose certificate another CA signed are all refused."""
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.health_probe import serving
+from services.common.pb import engine_pb2, engine_pb2_grpc
+from services.common.tls import TlsFiles, sync_channel
+from tests.engine.test_engine_server import EngineProcess, generate_request
+from tests.nats_server import NatsServer
+from tests.router.test_router import RouterProcess
+from tests.tls_certs import make_tls
+
+
+@pytest.fixture(scope="module")
+def tls_fleet(default_model_dir, tmp_path_factory, free_port_factory):
+    directory = tmp_path_factory.mktemp("tls")
+    stack_tls, stranger_tls = make_tls(directory)
+    engine_port, router_port = free_port_factory(), free_port_factory()
+    nats = NatsServer(free_port_factory())
+    engine = EngineProcess(default_model_dir, engine_port, directory / "engine.log",
+                           ("--replica-id", "tls-0", *stack_tls.flags()))
+    router = RouterProcess(router_port, [f"127.0.0.1:{engine_port}"], nats.url, directory / "router.log",
+                           free_port_factory(), check_interval_s=0.5, extra_args=tuple(stack_tls.flags()))
+    try:
+        deadline = time.monotonic() + 90
+        while not serving(f"127.0.0.1:{router_port}", timeout_s=1.0, tls=stack_tls):
+            assert engine.process.poll() is None, engine.log_path.read_text()[-2000:]
+            assert router.process.poll() is None, router.log_path.read_text()[-2000:]
+            assert time.monotonic() < deadline, router.log_path.read_text()[-2000:]
+            time.sleep(0.2)
+        yield f"127.0.0.1:{router_port}", f"127.0.0.1:{engine_port}", stack_tls, stranger_tls
+    finally:
+        router.close()
+        engine.close()
+        nats.stop()
+
+
+def generate(address: str, tls: TlsFiles | None) -> int:
+    with sync_channel(address, tls) as channel:
+        outputs = engine_pb2_grpc.EngineStub(channel).Generate(generate_request("t", [3, 5, 7], 4), timeout=10)
+        return sum(len(o.token_ids) for o in outputs)
+
+
+def test_a_client_with_the_stacks_certificate_is_served_through_the_router(tls_fleet):
+    router, engine, stack_tls, _ = tls_fleet
+    assert generate(router, stack_tls) == 4
+    assert generate(engine, stack_tls) == 4
+
+
+@pytest.mark.parametrize("who", ["plaintext", "no client certificate", "another CA's certificate"])
+def test_other_clients_are_refused(tls_fleet, who):
+    router, engine, stack_tls, stranger_tls = tls_fleet
+    tls = {"plaintext": None, "no client certificate": TlsFiles(ca=stack_tls.ca),
+           "another CA's certificate": stranger_tls}[who]
+    for address in (router, engine):
+        with pytest.raises(grpc.RpcError) as refused:
+            with sync_channel(address, tls) as channel:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
