@@ -77,7 +77,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 class TracingInterceptor(grpc.aio.ServerInterceptor):
     """One SERVER span per RPC (a stream's lasting until it ends), continuing the caller's trace from
     the call's metadata and current while the servicer runs, so a servicer can add attributes to
-    `trace.get_current_span()`. Health and reflection calls are not traced."""
+    `trace.get_current_span()`. Health and reflection calls are not traced, and the polling RPCs
+    (``Info``, ``Load``: a router's checks every second) only when the caller is inside a trace."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -87,10 +88,24 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         name = method.lstrip("/")
         service, _, rpc = name.partition("/")
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
-        return rewrap_handler(handler, lambda behavior: _traced(behavior, name, attributes))
+        polling = rpc in POLLING_RPCS
+        return rewrap_handler(handler, lambda behavior: _traced(behavior, name, attributes, polling))
 
 
-def _traced(behavior, name: str, attributes: dict):
+POLLING_RPCS = frozenset({"Info", "Load"})
+
+
+def _traced(behavior, name: str, attributes: dict, only_in_a_trace: bool = False):
+    if only_in_a_trace:  # unary; a root span of its own would be noise
+
+        async def polled(request, context):
+            carrier = telemetry.grpc_metadata_carrier(context.invocation_metadata())
+            if "traceparent" not in carrier:
+                return await behavior(request, context)
+            with telemetry.server_span(name, carrier, attributes):
+                return await behavior(request, context)
+
+        return polled
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request, context):

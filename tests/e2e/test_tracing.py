@@ -158,3 +158,23 @@ def test_a_refused_request_marks_the_failing_hop(traced_stack):
     spans = {s.name: s for s in receiver.wait_for({ROOT, ENCODE_CHAT}, trace_id)}
     assert spans[ENCODE_CHAT].is_error and "exception" in spans[ENCODE_CHAT].events
     assert spans[ROOT].attributes["http.response.status_code"] == 400 and not spans[ROOT].is_error
+
+
+def test_polling_calls_make_no_traces_of_their_own(traced_stack):
+    """A router's checks (Info, Load every second) and /metrics scrapes are not traces; an Info
+    inside a caller's trace still is a span of it."""
+    stack, receiver = traced_stack
+    from services.common.pb import engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(stack.engine_addr) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        for _ in range(5):
+            stub.Info(engine_pb2.EngineInfoRequest(), timeout=5)
+            stub.Load(engine_pb2.LoadRequest(), timeout=5)
+        trace_id = secrets.token_hex(16)
+        stub.Info(engine_pb2.EngineInfoRequest(), timeout=5,
+                  metadata=(("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),))
+    spans = receiver.wait_for({"strata.v1.Engine/Info"}, trace_id=trace_id)
+    assert [s.name for s in spans] == ["strata.v1.Engine/Info"]
+    polled = [s for s in receiver.all_spans() if s.name in ("strata.v1.Engine/Info", "strata.v1.Engine/Load")]
+    assert all(s.parent_id for s in polled), "polling calls outside a trace were traced as roots"
