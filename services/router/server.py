@@ -77,9 +77,11 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                                               f"every engine replica tried failed ({', '.join(sorted(tried))})")
             replica, overlap = picked
             tried.add(replica.address)
-            trace.get_current_span().set_attributes({"strata.router.replica": replica.name,
-                                                     "strata.router.prefix_overlap": overlap,
-                                                     "strata.router.attempt": len(tried)})
+            span = trace.get_current_span()
+            span.set_attributes({"strata.router.replica": replica.name, "strata.router.prefix_overlap": overlap,
+                                 "strata.router.attempt": len(tried)})
+            span.add_event("attempt", {"strata.router.replica": replica.name, "strata.router.attempt": len(tried),
+                                       "strata.router.prefix_overlap": overlap})
             self.metrics.routed.labels(replica.name).inc()
             self.metrics.overlap.observe(overlap)
             replica.in_flight += 1
@@ -90,8 +92,13 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 async for output in call:
                     relayed = True
                     yield output
+                    if output.finish_reason:  # done: not waiting for the stream's end, which the caller
+                        return  # may cancel as soon as it has this last message
                 return
             except grpc.aio.AioRpcError as error:
+                span.add_event("attempt failed", {"strata.router.replica": replica.name,
+                                                  "rpc.grpc.status_code": error.code().value[0],
+                                                  "strata.router.error": error.details() or ""})
                 if error.code() in _RETRY_ON:
                     self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
                 if relayed:  # tokens already went out: the client sees the cut (an SSE error event)
