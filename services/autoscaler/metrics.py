@@ -1,11 +1,12 @@
-"""The autoscaler's Prometheus metrics (``strata:autoscaler_*``), served by prometheus-client's own
-HTTP server on ``--metrics-port``: the replica counts, the signals it decides on, and every decision
+"""The autoscaler's Prometheus metrics (``strata:autoscaler_*``), served on ``--metrics-port``
+(`services.common.metrics_http`): the replica counts, the signals it decides on, and every decision
 (a counter by direction, and the last one's reason as an info-style gauge)."""
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.autoscaler.decision import Decision, ReplicaLoad
 from services.autoscaler.provider import FleetState
+from services.common.metrics_http import start_metrics_server
 
 
 class AutoscalerMetrics:
@@ -27,7 +28,7 @@ class AutoscalerMetrics:
         self._last_labels: tuple[str, str] | None = None
 
     def start_http_server(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        start_metrics_server(host, port, self.registry)
 
     def observe(self, decision: Decision, fleet: FleetState, loads: list[ReplicaLoad]) -> None:
         self.desired.set(decision.desired)

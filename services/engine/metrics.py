@@ -1,7 +1,8 @@
 """The engine's Prometheus metrics, named as vLLM's with the `strata:` prefix (label `model_name`)."""
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common.metrics_http import start_metrics_server
 from services.engine.scheduler import SchedulerStats
 from services.engine.scheduler_output import RequestOutput
 
@@ -9,7 +10,7 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class EngineMetrics:
-    """Updated from the engine thread after each step; served by prometheus-client's own HTTP server."""
+    """Updated from the engine thread after each step; served by `services.common.metrics_http`."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -38,7 +39,7 @@ class EngineMetrics:
         self._last: SchedulerStats | None = None
 
     def start_http_server(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        start_metrics_server(host, port, self.registry)
 
     def observe_step(self, outputs: list[RequestOutput], stats: SchedulerStats, step_seconds: float,
                      num_batched_tokens: int = 0) -> None:

@@ -1,7 +1,9 @@
 """The router's Prometheus metrics (``strata:router_*``, label ``replica`` = the replica's id or
-address), served by prometheus-client's own HTTP server on ``--metrics-port``."""
+address), served on ``--metrics-port`` (`services.common.metrics_http`)."""
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.metrics_http import start_metrics_server
 
 _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
@@ -38,4 +40,4 @@ class RouterMetrics:
                 pass
 
     def start_http_server(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        start_metrics_server(host, port, self.registry)
