@@ -5,7 +5,8 @@ Run the loop on the process's main thread when you can (`run()`, with asyncio in
 on CPU, steps driven from the main thread are ~20% faster, because OpenMP keeps the worker threads
 of the initial thread's team spin-waiting between the many small parallel regions of a step.
 
-Contract: `generate()` validates at once (raising InvalidRequestError in the caller), then yields
+Contract: `generate()` validates at once (raising InvalidRequestError in the caller; ResourceExhaustedError
+when --max-num-seqs + --max-waiting-requests requests are already in), then yields
 the request's outputs until the one with a finish reason. Leaving the iteration early (the caller
 is cancelled or closes it) aborts the request, which frees its KV blocks.
 """
@@ -20,8 +21,8 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from services.common.errors import InvalidRequestError
-from services.engine.engine_core import EngineCore
+from services.common.errors import InvalidRequestError, ResourceExhaustedError
+from services.engine.engine_core import EngineCore, StepFailed
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SchedulerStats
 from services.engine.scheduler_output import RequestOutput
@@ -63,6 +64,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stats = core.stats()
         self._started = False
+        waiting = core.config.max_waiting_requests
+        self.max_active = None if waiting is None else core.config.max_num_seqs + waiting  # admission bound
 
     def start(self) -> None:
         """Runs the engine loop in a background thread."""
@@ -106,6 +109,11 @@ class AsyncEngine:
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
+            if self.max_active is not None and len(self._streams) >= self.max_active:
+                raise ResourceExhaustedError(
+                    f"the engine is at capacity: {len(self._streams)} requests running or waiting "
+                    f"(--max-num-seqs {self.core.config.max_num_seqs} + --max-waiting-requests "
+                    f"{self.core.config.max_waiting_requests}); retry later")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt))
         finished = False
@@ -150,11 +158,22 @@ class AsyncEngine:
             started = time.perf_counter()
             try:
                 outputs = self.core.step()
-            except Exception as exc:  # a bug or a device error: fail the batch, keep serving
+            except StepFailed as failed:  # the step's requests were aborted; the others go on
+                logger.error("%s", failed, exc_info=failed.error)
+                for request_id in failed.request_ids:
+                    self._deliver_error(request_id, RuntimeError(f"the engine step running this request failed: "
+                                                                 f"{type(failed.error).__name__}: {failed.error}"))
+                self._stats = self.core.stats()
+                continue
+            except Exception as exc:  # a bug outside any one step's requests: fail them all, keep serving
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
             self._stats = self.core.stats()
+            for request_id, error in self.core.take_failures().items():
+                self._deliver_error(request_id, RuntimeError(
+                    f"this request failed in the engine ({type(error).__name__}: {error}); the other requests "
+                    f"in its batch went on"))
             self._deliver(outputs)
             if self._on_step is not None:
                 self._on_step(outputs, self._stats, time.perf_counter() - started,

@@ -33,6 +33,7 @@ class EngineCore:
             event_sink=event_sink or NullKvEventSink(),
         )
         self.last_num_batched_tokens = 0
+        self._failures: dict[str, Exception] = {}
 
     @property
     def num_kv_blocks(self) -> int:
@@ -61,6 +62,10 @@ class EngineCore:
         if bad_bias:
             raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is out of range "
                                       f"(vocabulary of {self.vocab_size})")
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(f"stop_token_ids: token id {bad_stop[0]} is out of range "
+                                      f"(vocabulary of {self.vocab_size})")
 
     def add_request(
         self,
@@ -88,13 +93,40 @@ class EngineCore:
         return self.scheduler.stats()
 
     def step(self) -> list[RequestOutput]:
+        """One step. A request that fails alone (in its sampling) is aborted and reported by
+        ``take_failures()`` while the others go on; a failure of the step itself (the forward pass)
+        aborts that step's requests and raises StepFailed naming them; other requests are untouched."""
         scheduler_output = self.scheduler.schedule()
         self.last_num_batched_tokens = scheduler_output.num_batched_tokens
         if scheduler_output.is_empty:
             return []
-        runner_output = self.model_runner.execute(scheduler_output)
+        try:
+            runner_output = self.model_runner.execute(scheduler_output)
+        except Exception as error:
+            request_ids = sorted({chunk.request.request_id for chunk in scheduler_output.chunks})
+            for request_id in request_ids:
+                self.abort(request_id)
+            raise StepFailed(request_ids, error) from error
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         for output in outputs:
             if output.finished:
                 self.model_runner.free_request(output.request_id)
+        for request_id, error in runner_output.failed.items():
+            self.abort(request_id)
+            self._failures[request_id] = error
         return outputs
+
+    def take_failures(self) -> dict[str, Exception]:
+        """The requests that failed alone in the steps since the last call (aborted, blocks freed)."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+
+class StepFailed(RuntimeError):
+    """A step failed as a whole; its requests (``request_ids``) were aborted, the engine goes on."""
+
+    def __init__(self, request_ids: list[str], error: Exception) -> None:
+        super().__init__(f"an engine step failed ({type(error).__name__}: {error}); its {len(request_ids)} "
+                         f"request(s) were aborted")
+        self.request_ids = request_ids
+        self.error = error

@@ -75,8 +75,25 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not requests:
             return output
-        tokens, logprobs = self.sampler(logits, requests)
+        try:
+            tokens, logprobs = self.sampler(logits, requests)
+        except Exception:  # find the request(s) at fault: sample each alone; the others go on
+            return self._sample_one_by_one(logits, requests)
         for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
+            output.sampled_token_ids[request.request_id] = token
+            if logprob is not None:
+                output.logprobs[request.request_id] = logprob
+        return output
+
+    def _sample_one_by_one(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
+        output = ModelRunnerOutput()
+        for row, request in enumerate(requests):
+            try:
+                (token,), (logprob,) = self.sampler(logits[row:row + 1], [request])
+            except Exception as error:
+                log.exception("request %s failed in sampling; the rest of its batch goes on", request.request_id)
+                output.failed[request.request_id] = error
+                continue
             output.sampled_token_ids[request.request_id] = token
             if logprob is not None:
                 output.logprobs[request.request_id] = logprob

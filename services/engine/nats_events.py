@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from services.common.event_subjects import KV_EVENTS, LOAD_REPORTS
+from services.common.event_subjects import LOAD_REPORTS
 from services.common.nats_auth import connect_options
 from services.common.pb import events_pb2
 

@@ -1,17 +1,21 @@
 """Per-request sampling and stopping settings, validated at construction."""
 
+import math
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidRequestError
+
+
+SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (dividing by it would overflow the logits)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are drawn and when a request stops. Defaults are OpenAI's."""
 
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below SAMPLING_EPS, as vLLM) means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 means off
+    top_k: int = 0  # 0 (or -1, vLLM's spelling) means off
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -25,10 +29,23 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "repetition_penalty": self.repetition_penalty}
+        for name, value in floats.items():
+            if not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value}")
+        bad_bias = [v for v in self.logit_bias.values() if not math.isfinite(v)]
+        if bad_bias:
+            raise InvalidRequestError(f"logit_bias values must be finite numbers, got {bad_bias[0]}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if any(abs(v) > 100 for v in self.logit_bias.values()):  # OpenAI's range: clamp, as vLLM does
+            object.__setattr__(self, "logit_bias", {t: max(-100.0, min(100.0, v)) for t, v in self.logit_bias.items()})
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
@@ -44,4 +61,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS

@@ -158,6 +158,8 @@ class Scheduler:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted after this step was scheduled
+            if request.request_id in model_runner_output.failed:
+                continue  # its sampling failed: the engine aborts it
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv_cache_manager.cache_blocks(request)
             if request.num_computed_tokens < request.num_tokens:

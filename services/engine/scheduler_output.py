@@ -53,6 +53,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
+    failed: dict[str, Exception] = field(default_factory=dict)  # requests whose own sampling failed
 
 
 @dataclass

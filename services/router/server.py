@@ -3,7 +3,8 @@ whether one engine or a fleet answers.
 
 ``Generate`` hashes the prompt's blocks as the engines do, asks the policy for a replica, and relays
 that replica's stream. If the replica fails before the first output (UNAVAILABLE: down, draining,
-unreachable), it is marked down and the request goes to another, up to ``max_attempts`` replicas;
+unreachable; it is marked down) or refuses it for a full queue (RESOURCE_EXHAUSTED), the request goes
+to another, up to ``max_attempts`` replicas (all full: RESOURCE_EXHAUSTED);
 after the first output an error is the client's to see. An engine's own refusal (INVALID_ARGUMENT,
 ...) is passed on as it is. ``Info`` is a healthy replica's (with the router's id); ``Load`` sums the
 healthy replicas'. Health is SERVING while at least one replica is.
@@ -17,7 +18,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common.block_hash import hash_prompt_blocks
-from services.common.errors import ServiceUnavailableError
+from services.common.errors import ResourceExhaustedError, ServiceUnavailableError
 from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
 from services.common.grpc_server import GrpcServer
 from services.common.nats_auth import connect_options, is_authenticated
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 POLICIES = ("cache-aware", "round-robin")  # policy.py; round-robin: the baseline, blind to caches and load
-_RETRY_ON = (grpc.StatusCode.UNAVAILABLE,)
+_RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)  # before the first output
+_DOWN_ON = (grpc.StatusCode.UNAVAILABLE,)  # RESOURCE_EXHAUSTED: a full queue, not a dead replica
 
 
 class RouterServicer(engine_pb2_grpc.EngineServicer):
@@ -70,9 +72,13 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         tried: set[str] = set()
+        full = False  # a replica refused for a full queue
         while True:
             picked = self.pick(request, tried) if len(tried) < self.max_attempts else None
             if picked is None:
+                if full:
+                    raise ResourceExhaustedError(f"every engine replica tried is at capacity "
+                                                 f"({', '.join(sorted(tried))}); retry later")
                 raise ServiceUnavailableError("no engine replica is available" if not tried else
                                               f"every engine replica tried failed ({', '.join(sorted(tried))})")
             replica, overlap = picked
@@ -99,16 +105,17 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 span.add_event("attempt failed", {"strata.router.replica": replica.name,
                                                   "rpc.grpc.status_code": error.code().value[0],
                                                   "strata.router.error": error.details() or ""})
-                if error.code() in _RETRY_ON:
+                if error.code() in _DOWN_ON:
                     self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
+                full = full or error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 if relayed:  # tokens already went out: the client sees the cut (an SSE error event)
                     await context.abort(error.code(), f"engine replica {replica.name} failed mid-stream "
                                                       f"({error.details()}); the output is incomplete")
                 if error.code() not in _RETRY_ON:
                     await context.abort(error.code(), error.details())
                 self.metrics.failovers.labels(replica.name).inc()
-                log.warning("request %s: replica %s failed before its first output; trying another",
-                            request.request_id, replica.name)
+                log.warning("request %s: replica %s refused or failed before its first output (%s); trying another",
+                            request.request_id, replica.name, error.code().name)
             finally:
                 call.cancel()  # a client that left, or a relay cut short, frees the engine's blocks
                 replica.in_flight -= 1
