@@ -75,6 +75,7 @@ class StackConfig:
     cache_dir: Path | None = None  # where the default model is built (None: its own default)
     replicas: int = 1  # engine replicas; more than one puts a router (and NATS, when installed) in front
     router_args: list[str] = field(default_factory=list)
+    tokenizer_args: list[str] = field(default_factory=list)
     autoscale: bool = False  # the autoscaler runs the engines (min..max replicas) instead of `replicas`
     min_replicas: int = 1
     max_replicas: int = 3
@@ -129,7 +130,7 @@ class Stack:
         tokenizer_port = find_free_port()
         self.tokenizer_addr = f"127.0.0.1:{tokenizer_port}"
         commands = {"tokenizer": [*python, "services.tokenizer", "--model", model_dir,
-                                  "--host", "127.0.0.1", "--port", str(tokenizer_port)]}
+                                  "--host", "127.0.0.1", "--port", str(tokenizer_port), *config.tokenizer_args]}
         self._checks["tokenizer"] = lambda: _grpc_serving(self.tokenizer_addr)
         engine = [*python, "services.engine", "--model", model_dir, "--host", "127.0.0.1",
                   "--served-model-name", self.model_name, *config.engine_args]
@@ -367,6 +368,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
     gateway.add_argument("--tool-call-parser", help="the model's tool-call format, e.g. hermes")
     gateway.add_argument("--gateway-args", default="", help="more gateway flags, one quoted string")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat_template (off by default: a template is code the "
+                             "tokenizer runs; it renders in a sandbox with time and size limits)")
+    parser.add_argument("--tokenizer-args", default="", help="more tokenizer flags, one quoted string")
     scaling = parser.add_argument_group("autoscaling (engines added and drained on queue length and KV usage)")
     scaling.add_argument("--autoscale", action="store_true",
                          help="let the autoscaler run the engines, between --min-replicas and --max-replicas "
@@ -422,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                          served_model_name=args.served_model_name, api_key=args.api_key,
                          engine_args=engine_flags(args), gateway_args=gateway_flags(args),
                          router_args=shlex.split(args.router_args),
+                         tokenizer_args=(["--trust-request-chat-template"] if args.trust_request_chat_template else [])
+                         + shlex.split(args.tokenizer_args),
                          log_dir=args.log_dir, echo_logs=args.log_dir is None, replicas=args.replicas,
                          autoscale=args.autoscale, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                          autoscaler_args=shlex.split(args.autoscaler_args),

@@ -25,6 +25,7 @@ def stack(default_model_dir, tmp_path_factory):
         gateway_args=["--max-body-bytes", str(MAX_BODY_BYTES), "--max-n", str(MAX_N),
                       "--max-stop-strings", "4", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                       "--log-level", "warning"],
+        tokenizer_args=["--trust-request-chat-template"],  # tests bring their own templates
         log_dir=log_dir, echo_logs=False, startup_timeout_s=120, grace_s=5)
     stack = Stack(config)
     try:
