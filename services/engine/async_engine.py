@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequestError, ResourceExhaustedError
-from services.engine.engine_core import EngineCore, StepFailed
+from services.engine.engine_core import EngineCore
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SchedulerStats
 from services.engine.scheduler_output import RequestOutput
@@ -65,7 +65,7 @@ class AsyncEngine:
         self._stats = core.stats()
         self._started = False
         waiting = core.config.max_waiting_requests
-        self.max_active = None if waiting is None else core.config.max_num_seqs + waiting  # admission bound
+        self.max_active = None if waiting == -1 else core.config.max_num_seqs + waiting  # admission bound
 
     def start(self) -> None:
         """Runs the engine loop in a background thread."""
@@ -157,23 +157,14 @@ class AsyncEngine:
                 continue
             started = time.perf_counter()
             try:
-                outputs = self.core.step()
-            except StepFailed as failed:  # the step's requests were aborted; the others go on
-                logger.error("%s", failed, exc_info=failed.error)
-                for request_id in failed.request_ids:
-                    self._deliver_error(request_id, RuntimeError(f"the engine step running this request failed: "
-                                                                 f"{type(failed.error).__name__}: {failed.error}"))
-                self._stats = self.core.stats()
-                continue
-            except Exception as exc:  # a bug outside any one step's requests: fail them all, keep serving
+                outputs = self.core.step()  # fails only the requests at fault (see EngineCore.step)
+            except Exception as exc:  # a bug in that failure handling itself: fail them all, keep serving
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
             self._stats = self.core.stats()
             for request_id, error in self.core.take_failures().items():
-                self._deliver_error(request_id, RuntimeError(
-                    f"this request failed in the engine ({type(error).__name__}: {error}); the other requests "
-                    f"in its batch went on"))
+                self._deliver_error(request_id, error)
             self._deliver(outputs)
             if self._on_step is not None:
                 self._on_step(outputs, self._stats, time.perf_counter() - started,

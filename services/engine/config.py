@@ -26,7 +26,9 @@ class EngineConfig:
     seed: int = 0  # seeds the engine's random generator for requests without a seed
     enforce_eager: bool = False  # run the model op by op: no compiled decode graphs (as vLLM's flag)
     num_threads: int | None = None  # CPU threads of the model's kernels; None: the cores this process may use
-    max_waiting_requests: int | None = 1024  # requests queued beyond the running batch before new ones are refused
+    # Requests that may wait beyond a full running batch before new ones are refused (RESOURCE_EXHAUSTED);
+    # None: 4 x max_num_seqs, so the last in line waits about four batch turnovers; -1: unbounded.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -39,7 +41,9 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_waiting_requests is None:
+            self.max_waiting_requests = 4 * self.max_num_seqs
+        if self.max_waiting_requests < -1:
+            raise ValueError(f"--max-waiting-requests must be >= 0 (or -1: unbounded), got {self.max_waiting_requests}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")

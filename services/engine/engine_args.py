@@ -18,10 +18,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
                         help="memory for the KV pool when --num-kv-blocks is not given (default: 1 GiB)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default: %(default)s)")
-    parser.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="requests that may wait beyond the running batch; more are refused at once with "
-                             "RESOURCE_EXHAUSTED (the gateway: 429 with Retry-After), so a queue cannot grow "
-                             "without bound; -1: unbounded (default: %(default)s)")
+    parser.add_argument("--max-waiting-requests", type=int,
+                        help="requests that may wait beyond a full running batch; more are refused at once with "
+                             "RESOURCE_EXHAUSTED (the router tries another replica, the gateway answers 503 with "
+                             "Retry-After), so the queue and its waiting time stay bounded; -1: unbounded "
+                             "(default: 4 x --max-num-seqs)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step, prefill and decode together (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
@@ -58,7 +59,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             prefix_cache_hash_seed=args.prefix_cache_hash_seed, max_logprobs=args.max_logprobs,
             attention_backend=args.attention_backend, replica_id=args.replica_id, seed=args.seed,
             enforce_eager=args.enforce_eager, num_threads=args.num_threads,
-            max_waiting_requests=None if args.max_waiting_requests < 0 else args.max_waiting_requests,
+            max_waiting_requests=args.max_waiting_requests,
         )
     except ValueError as exc:
         raise SystemExit(f"strata: {exc}")

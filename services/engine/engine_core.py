@@ -4,6 +4,7 @@ It is driven by one thread at a time (the engine loop thread of `AsyncEngine`, o
 `validate()` is pure and safe from any thread, so callers learn about a bad request at once.
 """
 
+import logging
 from collections.abc import Sequence
 
 from services.common.errors import InvalidRequestError
@@ -14,7 +15,9 @@ from services.engine.model_runner import ModelRunner
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerStats
-from services.engine.scheduler_output import RequestOutput
+from services.engine.scheduler_output import ModelRunnerOutput, RequestOutput, ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -55,9 +58,9 @@ class EngineCore:
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
                 f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise InvalidRequestError(
-                f"logprobs {params.logprobs} exceeds the maximum allowed {self.config.max_logprobs}")
+        max_logprobs = min(self.config.max_logprobs, self.vocab_size)
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the maximum allowed {max_logprobs}")
         bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if bad_bias:
             raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is out of range "
@@ -93,40 +96,91 @@ class EngineCore:
         return self.scheduler.stats()
 
     def step(self) -> list[RequestOutput]:
-        """One step. A request that fails alone (in its sampling) is aborted and reported by
-        ``take_failures()`` while the others go on; a failure of the step itself (the forward pass)
-        aborts that step's requests and raises StepFailed naming them; other requests are untouched."""
-        scheduler_output = self.scheduler.schedule()
+        """One step: schedule a batch, run the model, sample, advance the requests; returns what the
+        requests produced.
+
+        A failure stays with the requests at fault. When the forward pass or the sampling raises,
+        the step's chunks run again in halves, recursively (`_execute_isolating`), so a request
+        that fails alone is failed while every other one gets its token. When the scheduler
+        itself raises, no request can be blamed: the step's requests are failed. Failed requests
+        are aborted (their blocks freed) and reported by ``take_failures()``; the engine goes on."""
+        try:
+            scheduler_output = self.scheduler.schedule()
+        except Exception as error:  # the step's requests: the running ones and the one it was admitting
+            self.last_num_batched_tokens = 0
+            admitting = [self.scheduler.waiting[0]] if self.scheduler.waiting else []
+            self._fail([r.request_id for r in self.scheduler.running + admitting], _step_error(error))
+            return []
         self.last_num_batched_tokens = scheduler_output.num_batched_tokens
         if scheduler_output.is_empty:
             return []
+        runner_output = self._execute_isolating(scheduler_output.chunks)
+        step_request_ids = [chunk.request.request_id for chunk in scheduler_output.chunks]
         try:
-            runner_output = self.model_runner.execute(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)  # skips the failed
         except Exception as error:
-            request_ids = sorted({chunk.request.request_id for chunk in scheduler_output.chunks})
-            for request_id in request_ids:
-                self.abort(request_id)
-            raise StepFailed(request_ids, error) from error
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._fail(step_request_ids, _step_error(error))
+            return []
         for output in outputs:
             if output.finished:
                 self.model_runner.free_request(output.request_id)
-        for request_id, error in runner_output.failed.items():
-            self.abort(request_id)
-            self._failures[request_id] = error
+        failed = runner_output.failed
+        if len(step_request_ids) > 1 and len(failed) == len(step_request_ids):  # no one was spared: not theirs
+            self._fail(step_request_ids, _step_error(next(iter(failed.values()))))
+        for request_id, error in failed.items():
+            self._fail([request_id], _request_error(error))
         return outputs
 
     def take_failures(self) -> dict[str, Exception]:
-        """The requests that failed alone in the steps since the last call (aborted, blocks freed)."""
+        """The requests failed since the last call (already aborted, their blocks freed), each with the
+        error its caller should see: InvalidRequestError when the request was at fault, else an
+        internal error that says whether it failed alone or with its whole step."""
         failures, self._failures = self._failures, {}
         return failures
 
+    def _execute_isolating(self, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        """Runs ``chunks``; if that raises, runs each half alone, recursively, down to single chunks:
+        ``failed`` then names the requests that failed alone, the others' tokens are as if the
+        culprits had never been in the step. A clean step costs nothing extra; one culprit among n
+        chunks costs about 2·log2(n) more runs, a failure of every chunk 2n - 1.
 
-class StepFailed(RuntimeError):
-    """A step failed as a whole; its requests (``request_ids``) were aborted, the engine goes on."""
+        Running chunks again is safe: a run only writes K/V at positions the request has not
+        computed yet, in blocks it alone holds (prefix-cache hits are full blocks before those
+        positions), and the scheduler advances a request only from the run that returned its
+        token; the sampler leaves seeded generators as they were when it raises."""
+        try:
+            return self.model_runner.execute(SchedulerOutput(chunks))
+        except Exception as error:
+            if len(chunks) == 1:
+                logger.error("request %s failed in an engine step", chunks[0].request.request_id, exc_info=error)
+                return ModelRunnerOutput(failed={chunks[0].request.request_id: error})
+        logger.warning("an engine step of %d requests failed; running it again in halves to find the request at "
+                       "fault", len(chunks))
+        output = ModelRunnerOutput()
+        half = len(chunks) // 2
+        for part in (chunks[:half], chunks[half:]):
+            part_output = self._execute_isolating(part)
+            output.sampled_token_ids.update(part_output.sampled_token_ids)
+            output.logprobs.update(part_output.logprobs)
+            output.failed.update(part_output.failed)
+        return output
 
-    def __init__(self, request_ids: list[str], error: Exception) -> None:
-        super().__init__(f"an engine step failed ({type(error).__name__}: {error}); its {len(request_ids)} "
-                         f"request(s) were aborted")
-        self.request_ids = request_ids
-        self.error = error
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        for request_id in request_ids:
+            if request_id not in self._failures:
+                self.abort(request_id)
+                self._failures[request_id] = error
+
+
+def _step_error(error: Exception) -> RuntimeError:
+    """What every request of a step sees when no one of them could be blamed."""
+    return RuntimeError(f"an engine step failed ({type(error).__name__}: {error}); its requests were failed, "
+                      f"the engine serves on")
+
+
+def _request_error(error: Exception) -> Exception:
+    """What the caller of the request at fault sees: its own InvalidRequestError, else an internal error."""
+    if isinstance(error, InvalidRequestError):
+        return error
+    return RuntimeError(f"this request failed in the engine ({type(error).__name__}: {error}); the other requests "
+                        f"of its batch went on")

@@ -27,7 +27,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]
                  ) -> tuple[list[int], list[SampledLogprobs | None]]:
-        """``logits: [n, vocab]`` float32, row i for ``requests[i]`` → (token ids, logprobs or None per row)."""
+        """``logits: [n, vocab]`` float32, row i for ``requests[i]`` → (token ids, logprobs or None per row).
+
+        A call that raises leaves every seeded request's generator as it found it, so sampling the
+        rows again (each alone, to find the request at fault) draws the same tokens a call without
+        the faulty request would have."""
+        saved = {r.request_id: generator.get_state() for r in requests
+                 if (generator := self.request_generators.get(r.request_id)) is not None}
+        try:
+            return self._sample(logits, requests)
+        except Exception:
+            for request in requests:
+                state = saved.get(request.request_id)
+                if state is None:
+                    self.request_generators.pop(request.request_id, None)  # made in this call: reseeded next time
+                else:
+                    self.request_generators[request.request_id].set_state(state)
+            raise
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]
+                ) -> tuple[list[int], list[SampledLogprobs | None]]:
         params = [r.sampling_params for r in requests]
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
@@ -96,7 +115,7 @@ class Sampler:
         probability) whose mass reaches ``top_p``."""
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [m, vocab]
         rank = torch.arange(logits.shape[1], device=self.device)
-        top_k = torch.tensor([p.top_k or logits.shape[1] for p in params], device=self.device)
+        top_k = torch.tensor([min(p.top_k or logits.shape[1], logits.shape[1]) for p in params], device=self.device)
         sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -148,6 +167,6 @@ def _mask_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request]) 
     for row, r in enumerate(requests):
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            banned = p.stop_token_id_set if p.ignore_eos else p.stop_token_id_set | r.eos_token_ids
             if banned:
                 logits[row, list(banned)] = float("-inf")

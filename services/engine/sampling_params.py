@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from services.common.errors import InvalidRequestError
 
@@ -40,12 +41,15 @@ class SamplingParams:
             raise InvalidRequestError(f"logit_bias values must be finite numbers, got {bad_bias[0]}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if len(set(self.stop_token_ids)) != len(self.stop_token_ids):  # a long repeated list costs every step
+            object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         if any(abs(v) > 100 for v in self.logit_bias.values()):  # OpenAI's range: clamp, as vLLM does
             object.__setattr__(self, "logit_bias", {t: max(-100.0, min(100.0, v)) for t, v in self.logit_bias.items()})
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}"),
+            (self.seed is None or 0 <= self.seed < 1 << 64, f"seed must be in [0, 2**64), got {self.seed}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
@@ -62,3 +66,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @cached_property
+    def stop_token_id_set(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)

@@ -195,7 +195,7 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens:
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
+            if token_id in params.stop_token_id_set:
                 request.stop_token_id = token_id
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self._max_seq_len:
