@@ -7,8 +7,10 @@ import uvloop
 
 from services.common.default_model import ensure_default_model
 from services.common.telemetry import setup_tracing
+from services.common.tls import add_tls_args, tls_from_args
+from services.tokenizer.template_budget import TemplateLimits
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
-from services.tokenizer.server import serve
+from services.tokenizer.server import TokenizerServicer, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,15 +18,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in default model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50051, help="port, 0 for any free one (default: %(default)s)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat_template (a template is code the server runs; "
+                             "off by default, as in vLLM); it still renders in the sandbox, within the limits below")
+    parser.add_argument("--chat-template-timeout", type=float, default=1.0,
+                        help="seconds one chat template render may take (default: %(default)s)")
+    parser.add_argument("--max-chat-template-chars", type=int, default=4 << 20,
+                        help="most characters (or items) a render may build or output, unless twice the size of "
+                             "the messages is more (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=4,
+                        help="threads that encode, render and decode off the event loop (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=60.0,
+                        help="seconds open Detokenize streams may take to finish after SIGTERM (default: %(default)s)")
+    add_tls_args(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tls = tls_from_args(args, parser)
+    if args.workers < 1:
+        parser.error("--workers must be >= 1")
+    try:
+        limits = TemplateLimits(timeout_s=args.chat_template_timeout, max_chars=args.max_chat_template_chars)
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("strata-tokenizer")
     tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())
-    uvloop.run(serve(tokenizer, args.host, args.port))  # grpc.aio on uvloop: less CPU per streamed token
+    servicer = TokenizerServicer(tokenizer, args.trust_request_chat_template, args.workers, limits)
+    # grpc.aio on uvloop: less CPU per streamed token
+    uvloop.run(serve(tokenizer, args.host, args.port, servicer, tls, args.shutdown_timeout))
     return 0
 
 

@@ -3,9 +3,10 @@
 A checkpoint's templates come from `chat_template.jinja` and `additional_chat_templates/*.jinja`
 when those files exist, else from `tokenizer_config.json`'s `chat_template` (a string, or a list of
 `{"name", "template"}`). The one used by default is the one named "default". Rendering uses the
-same sandboxed environment as transformers' `apply_chat_template`: `trim_blocks`, `lstrip_blocks`,
-loop controls, the `{% generation %}` tag, `raise_exception`, `strftime_now`, a `tojson` that does
-not escape HTML, and the special tokens (`bos_token`, `eos_token`, ...) as variables.
+same environment as transformers' `apply_chat_template` (Jinja's immutable sandbox, `trim_blocks`,
+`lstrip_blocks`, loop controls, the `{% generation %}` tag, `raise_exception`, `strftime_now`, a
+`tojson` that does not escape HTML, and the special tokens (`bos_token`, `eos_token`, ...) as
+variables), bounded in time and size (bounded_sandbox.py, template_budget.py).
 """
 
 import functools
@@ -19,13 +20,17 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidRequestError
+from services.tokenizer.bounded_sandbox import BoundedSandboxedEnvironment
+from services.tokenizer.template_budget import RenderBudget, TemplateLimits, weight
 
 DEFAULT_TEMPLATE_NAME = "default"
 # Variables the renderer sets itself; template kwargs may not override them.
 RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt"})
+DEFAULT_TEMPLATE_LIMITS = TemplateLimits()
+# strftime_now's format: plenty for a date, too short to make a large string.
+_MAX_STRFTIME_FORMAT_CHARS = 256
 
 
 def load_chat_templates(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
@@ -52,22 +57,31 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     variables: Mapping[str, Any],
+    limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS,
 ) -> str:
-    """Renders `messages` with the template source `template`.
+    """Renders `messages` with the template source `template`, within `limits`.
 
     `variables` are passed to the template as transformers passes the special tokens and the
     caller's template kwargs (`tools`, `documents` and any other name). Raises InvalidRequestError
     for malformed messages, a template that does not compile or fails while rendering (including its
-    own `raise_exception`), and variables that would replace `messages` or `add_generation_prompt`.
+    own `raise_exception`), variables that would replace `messages` or `add_generation_prompt`, and
+    (TemplateLimitError) a render that would pass its time or size limit. Holds the GIL while it
+    renders, at most about `limits.timeout_s` (plus compiling the template, once per source).
     """
     _check_messages(messages)
     reserved = RESERVED_VARIABLES & variables.keys()
     if reserved:
         raise InvalidRequestError(f"template kwargs may not set {sorted(reserved)}; they come from the request")
     context = {"tools": None, "documents": None, **variables}
+    budget = RenderBudget(limits, num_input_chars=weight(messages) + weight(context))
     try:
         compiled = _compile(template)
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        with budget.spending():
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+    except InvalidRequestError:
+        raise
+    except RecursionError as exc:
+        raise InvalidRequestError("the chat template nests too deeply (macros, recursive loops or expressions)") from exc
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(f"chat template error: {exc}") from exc
     except (TypeError, ValueError, LookupError, ArithmeticError) as exc:
@@ -88,20 +102,26 @@ def _compile(template: str) -> jinja2.Template:
 
 
 @functools.cache
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+def _environment() -> BoundedSandboxedEnvironment:
+    return BoundedSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        filters={"tojson": _tojson},
+        globals={"raise_exception": _raise_exception, "strftime_now": _strftime_now, "dict": _TemplateDict(),
+                 "namespace": _TemplateNamespace},
     )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
 
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    if len(fmt) > _MAX_STRFTIME_FORMAT_CHARS:
+        raise InvalidRequestError(f"strftime_now's format has {len(fmt)} characters; at most "
+                                  f"{_MAX_STRFTIME_FORMAT_CHARS} are allowed")
+    return datetime.now().strftime(fmt)
 
 
 def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -6,6 +6,9 @@ character is unfinished); when the client closes its side, one last response car
 text was still held back.
 """
 
+import asyncio
+import concurrent.futures
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,31 +16,52 @@ from typing import Any
 from services.common.errors import InvalidRequestError
 from services.common.grpc_server import GrpcServer
 from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.tls import TlsFiles
+from services.tokenizer.chat_template import DEFAULT_TEMPLATE_LIMITS
+from services.tokenizer.template_budget import MAX_REQUEST_TEMPLATE_CHARS, TemplateLimits
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, tokenizer: CheckpointTokenizer) -> None:
+    """Encoding, chat rendering and decoding run on a pool of worker threads, never on the event
+    loop: a 4 MB prompt or a slow template must not hold up other requests, their streams or health
+    (`tokenizers` releases the GIL; a template render is bounded by its `TemplateLimits`)."""
+
+    def __init__(self, tokenizer: CheckpointTokenizer, trust_request_chat_template: bool = False,
+                 workers: int = 4, limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS) -> None:
         self._tokenizer = tokenizer
+        self._trust_request_chat_template = trust_request_chat_template
+        self._limits = limits
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize")
+
+    async def _run(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
     async def Encode(self, request, context) -> tokenizer_pb2.EncodeResponse:
-        ids = self._tokenizer.encode(request.text, request.add_special_tokens)
+        ids = await self._run(self._tokenizer.encode, request.text, request.add_special_tokens)
         return tokenizer_pb2.EncodeResponse(token_ids=ids)
 
     async def EncodeChat(self, request, context) -> tokenizer_pb2.EncodeChatResponse:
+        own_template = not request.chat_template or request.chat_template in self._tokenizer.chat_templates
+        if not own_template and self._trust_request_chat_template \
+                and len(request.chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise InvalidRequestError(f"chat_template has {len(request.chat_template)} characters; at most "
+                                      f"{MAX_REQUEST_TEMPLATE_CHARS} are allowed")
+        if not own_template and not self._trust_request_chat_template:
+            raise InvalidRequestError(
+                "chat_template in a request is disabled: a template is code the server runs. Use one of the "
+                f"model's own templates ({', '.join(sorted(self._tokenizer.chat_templates)) or 'none'}), or start "
+                "the tokenizer with --trust-request-chat-template")
         messages = [_message_dict(message) for message in request.messages]
-        ids, text = self._tokenizer.encode_chat(
-            messages,
-            request.add_generation_prompt,
-            request.chat_template,
-            _template_kwargs(request.template_kwargs_json),
-        )
+        ids, text = await self._run(functools.partial(
+            self._tokenizer.encode_chat, messages, request.add_generation_prompt, request.chat_template,
+            _template_kwargs(request.template_kwargs_json), limits=self._limits))
         return tokenizer_pb2.EncodeChatResponse(token_ids=ids, prompt_text=text)
 
     async def Decode(self, request, context) -> tokenizer_pb2.DecodeResponse:
-        text = self._tokenizer.decode(list(request.token_ids), request.skip_special_tokens)
+        text = await self._run(self._tokenizer.decode, list(request.token_ids), request.skip_special_tokens)
         return tokenizer_pb2.DecodeResponse(text=text)
 
     async def Detokenize(self, request_iterator, context) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
@@ -108,11 +132,18 @@ def _template_kwargs(template_kwargs_json: str) -> dict[str, Any]:
     return kwargs
 
 
-async def serve(tokenizer: CheckpointTokenizer, host: str, port: int) -> None:
-    """Serves `tokenizer` on host:port until SIGTERM/SIGINT."""
-    server = GrpcServer([SERVICE_NAME])
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer), server.server)
-    bound_port = server.add_port(f"{host}:{port}")
+# A prompt of the gateway's largest body (8 MiB) must fit: gRPC's default 4 MiB would refuse it as
+# RESOURCE_EXHAUSTED, which clients read as "retry later".
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+async def serve(tokenizer: CheckpointTokenizer, host: str, port: int, servicer: TokenizerServicer | None = None,
+                tls: TlsFiles | None = None, shutdown_timeout_s: float = 60.0) -> None:
+    """Serves `tokenizer` on host:port until SIGTERM/SIGINT; then its open Detokenize streams get up
+    to ``shutdown_timeout_s`` to finish (a draining gateway's streams)."""
+    server = GrpcServer([SERVICE_NAME], grace_s=shutdown_timeout_s, options=GRPC_OPTIONS)
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer or TokenizerServicer(tokenizer), server.server)
+    bound_port = server.add_port(f"{host}:{port}", tls)
     await server.start()
     await server.set_serving()
     print(f"tokenizer serving {tokenizer.model} on {host}:{bound_port}", flush=True)

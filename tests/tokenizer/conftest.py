@@ -46,15 +46,17 @@ def strata(checkpoint_dir):
 
 @pytest.fixture(scope="session")
 def default_server(default_model_dir, free_port_factory, tmp_path_factory):
-    """The real service on the built-in model."""
+    """The real service on the built-in model, trusting request templates (tests render their own)."""
     log_path = tmp_path_factory.mktemp("logs") / "tokenizer-default.log"
-    with tokenizer_server(default_model_dir, free_port_factory(), log_path) as server:
+    with tokenizer_server(default_model_dir, free_port_factory(), log_path,
+                          extra_args=("--trust-request-chat-template",)) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def templateless_server(templateless_dir, free_port_factory, tmp_path_factory):
-    """The real service on a checkpoint without a chat template."""
+    """The real service on a checkpoint without a chat template (request templates trusted)."""
     log_path = tmp_path_factory.mktemp("logs") / "tokenizer-no-template.log"
-    with tokenizer_server(templateless_dir, free_port_factory(), log_path) as server:
+    with tokenizer_server(templateless_dir, free_port_factory(), log_path,
+                          extra_args=("--trust-request-chat-template",)) as server:
         yield server

@@ -26,17 +26,19 @@ class TokenizerProcess:
 
 @contextmanager
 def tokenizer_server(
-    model_dir: Path | None, port: int, log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 60.0
+    model_dir: Path | None, port: int, log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 60.0,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[TokenizerProcess]:
     """Starts `python -m services.tokenizer` (without --model when `model_dir` is None), waits for
     health SERVING, and SIGTERMs it afterwards unless the test already stopped it."""
     model_args = [] if model_dir is None else ["--model", str(model_dir)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.tokenizer", *model_args, "--port", str(port)],
+            [sys.executable, "-m", "services.tokenizer", *model_args, "--port", str(port), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20),
+                                                                  ("grpc.max_send_message_length", 64 << 20)])
     server = TokenizerProcess(process, channel, log_path)
     try:
         _wait_until_serving(server, timeout_s)
