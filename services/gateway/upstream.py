@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.telemetry import trace_metadata
+from services.common.tls import TlsFiles, aio_channel
 from services.gateway import errors
 from services.gateway.validation import MAX_TOP_LOGPROBS, ModelFacts
 
@@ -28,9 +29,9 @@ class Upstream:
     """Channels and stubs of one tokenizer and one engine; create inside the event loop."""
 
     def __init__(self, tokenizer_addr: str, engine_addr: str, served_model_name: str | None = None,
-                 rpc_timeout_s: float = 30.0, generate_timeout_s: float = 3600.0) -> None:
-        self._tokenizer_channel = grpc.aio.insecure_channel(tokenizer_addr, options=_CHANNEL_OPTIONS)
-        self._engine_channel = grpc.aio.insecure_channel(engine_addr, options=_CHANNEL_OPTIONS)
+                 rpc_timeout_s: float = 30.0, generate_timeout_s: float = 3600.0, tls: TlsFiles | None = None) -> None:
+        self._tokenizer_channel = aio_channel(tokenizer_addr, tls, options=_CHANNEL_OPTIONS)
+        self._engine_channel = aio_channel(engine_addr, tls, options=_CHANNEL_OPTIONS)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel)
         self.engine = engine_pb2_grpc.EngineStub(self._engine_channel)
         self.rpc_timeout_s = rpc_timeout_s
