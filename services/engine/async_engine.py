@@ -36,6 +36,7 @@ class _Add:
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     cache_salt: str
+    fairness_key: str
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str = "",
+        fairness_key: str = "",
     ) -> AsyncIterator[RequestOutput]:
         self.core.validate(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
@@ -115,7 +117,7 @@ class AsyncEngine:
                     f"(--max-num-seqs {self.core.config.max_num_seqs} + --max-waiting-requests "
                     f"{self.core.config.max_waiting_requests}); retry later")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, fairness_key))
         finished = False
         try:
             while not finished:
@@ -176,7 +178,7 @@ class AsyncEngine:
             return
         try:
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                  command.cache_salt)
+                                  command.cache_salt, command.fairness_key)
         except Exception as exc:
             self._deliver_error(command.request_id, exc)
 

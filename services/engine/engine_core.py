@@ -76,10 +76,11 @@ class EngineCore:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str = "",
+        fairness_key: str = "",
     ) -> Request:
         self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, fairness_key=fairness_key)
         self.scheduler.add_request(request)
         return request
 

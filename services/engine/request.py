@@ -36,8 +36,12 @@ class Request:
         eos_token_ids: Sequence[int] = (),
         cache_salt: str = "",
         arrival_time: float | None = None,
+        fairness_key: str = "",
     ) -> None:
         self.request_id = request_id
+        # Requests sharing a key (one API call's fan-out, one tenant) share the batch fairly with
+        # other keys (see Scheduler); empty: the request id, a key of its own.
+        self.fairness_key = fairness_key or request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)

@@ -2,11 +2,20 @@
 
 Each ``schedule()`` builds one step under one token budget (``max_num_batched_tokens``) and at
 most ``max_num_seqs`` running requests: running requests first, in admission order (a decode
-takes one token, a partly prefilled prompt continues with the next chunk), then waiting requests
-first come first served, each starting after its prefix-cache hits. When a running request
+takes one token, a partly prefilled prompt continues with the next chunk), then waiting requests,
+each starting after its prefix-cache hits. A partly prefilled prompt is always the last running
+request (it took the budget that was left, so no one was admitted behind it): every decode gets
+its token in every step, however long the prompt being prefilled. When a running request
 cannot get blocks, the newest running request is preempted (its blocks freed, its progress reset,
 back at the head of the waiting queue) until it can; a preempted request later recomputes its
 prompt and the output it already has. The scheduler owns the only KVCacheManager.
+
+Fairness between callers: each request has a fairness key (one API call's n x prompts fan-out, or
+a tenant; by default its own id). Admission takes the waiting request whose key has the fewest
+running requests, the earliest among equals, which with the default keys is first come, first
+served. When the batch is full and a key waits with nothing running, the newest running request
+of the key with the most (two or more) is preempted for it, so a fan-out that fills every seat
+delays another caller by a step, not by a whole generation.
 
 A sequence stops with "length" at max_tokens, at max_model_len, or when it fills the whole KV pool
 (only possible when the pool holds fewer than max_model_len tokens).
@@ -16,7 +25,7 @@ The engine loop calls ``schedule()``, runs the model on the result, and hands wh
 ``add_request`` and ``abort_request`` from the engine loop, between steps.
 """
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequestError
@@ -118,6 +127,9 @@ class Scheduler:
         waiting queue); their blocks may already be given to requests of this same step."""
         kv = self.kv_cache_manager
         output = SchedulerOutput()
+        running_per_key = Counter(r.fairness_key for r in self.running) if self.waiting else Counter()
+        self._preempt_for_a_new_key(running_per_key, output.preempted)
+        num_preempted_for_fairness = len(output.preempted)
         budget = self.config.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -128,15 +140,17 @@ class Scheduler:
             output.chunks.append(ScheduledChunk(request, num_new_tokens, kv.block_ids(request)))
             budget -= num_new_tokens
             index += 1
+        short_of_blocks = len(output.preempted) > num_preempted_for_fairness
 
-        # Admit no one in a step that had to preempt: blocks are short.
-        while self.waiting and not output.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        # Admit no one in a step that had to preempt for blocks: they are short.
+        while self.waiting and not short_of_blocks and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._next_to_admit(running_per_key)
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_computed_tokens, budget)
             if kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            running_per_key[request.fairness_key] += 1
             request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
@@ -217,6 +231,36 @@ class Scheduler:
             if victim is request:
                 return False
         return True
+
+    def _next_to_admit(self, running_per_key: Counter) -> Request:
+        """The waiting request whose fairness key has the fewest running requests; the earliest of
+        those (the queue's head is a preempted request, or the oldest). With a key per request
+        (the default) that is always the head: first come, first served."""
+        best, best_count = self.waiting[0], running_per_key[self.waiting[0].fairness_key]
+        for request in self.waiting:
+            if best_count == 0:
+                break
+            count = running_per_key[request.fairness_key]
+            if count < best_count:
+                best, best_count = request, count
+        return best
+
+    def _preempt_for_a_new_key(self, running_per_key: Counter, preempted: list[Request]) -> None:
+        """When the running batch is full and a request waits whose key has nothing running, preempt
+        the newest running request of the key that has the most (if it has two or more), so the
+        newcomer starts in this step instead of after a whole generation: one request of many
+        (an n x prompts fan-out) cannot hold every seat while another caller waits. At most one
+        per step; never with a key per request (no key then holds two)."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        largest, count = running_per_key.most_common(1)[0]
+        if count < 2 or all(running_per_key[r.fairness_key] for r in self.waiting):
+            return
+        victim = next(r for r in reversed(self.running) if r.fairness_key == largest)
+        self.running.remove(victim)
+        self._preempt(victim)
+        preempted.append(victim)
+        running_per_key[largest] -= 1
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
