@@ -45,7 +45,13 @@ class LLM:
             self.core.add_request(request_id, prompt, prompt_params)
             completions[request_id] = Completion(request_id, list(prompt))
         while self.core.has_unfinished_requests():
-            for output in self.core.step():
+            outputs = self.core.step()
+            failures = self.core.take_failures()
+            if failures:  # a request that failed alone: offline, the caller hears of it
+                for request_id in completions:
+                    self.core.abort(request_id)
+                raise next(iter(failures.values()))
+            for output in outputs:
                 completion = completions[output.request_id]
                 completion.token_ids += output.new_token_ids
                 completion.logprobs += output.logprobs

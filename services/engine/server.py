@@ -56,7 +56,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         span.set_attributes({"strata.request_id": request_id, "strata.replica_id": self.config.replica_id,
                              "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
         first = True
-        async for output in engine.generate(request_id, list(request.prompt_token_ids), params, request.cache_salt):
+        async for output in engine.generate(request_id, list(request.prompt_token_ids), params, request.cache_salt,
+                                            request.fairness_key):
             if first:
                 span.add_event("first_token")
                 first = False
