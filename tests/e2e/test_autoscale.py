@@ -43,7 +43,8 @@ def test_autoscaling_follows_a_ramp_without_failing_a_request(default_model_dir,
     router_metrics_port = find_free_port()
     config = StackConfig(
         model=str(default_model_dir), port=find_free_port(), autoscale=True, min_replicas=1, max_replicas=3,
-        engine_args=["--num-kv-blocks", "256", "--max-num-seqs", "4", "--enforce-eager"],
+        # the queue is the signal here: unbounded, not refused (--max-waiting-requests' default is 4 x 4)
+        engine_args=["--num-kv-blocks", "256", "--max-num-seqs", "4", "--enforce-eager", "--max-waiting-requests", "-1"],
         autoscaler_args=["--interval", "0.5", "--cooldown", "2", "--scale-down-stabilization", "6",
                          "--target-waiting", "2"],
         router_args=["--metrics-port", str(router_metrics_port)],
