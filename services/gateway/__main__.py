@@ -28,7 +28,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
     parser.add_argument("--max-prompts", type=int, default=defaults.max_prompts,
                         help="most prompts in one /v1/completions request")
-    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                        help="largest request body; more is a 413 (default: %(default)s, at most 16 MiB)")
+    parser.add_argument("--max-sequences-per-request", type=int, default=defaults.max_sequences_per_request,
+                        help="most sequences (n x prompts) one request may generate; more is a 400 "
+                             "(default: %(default)s, below one default engine's batch and queue)")
+    parser.add_argument("--max-concurrent-requests", type=int, default=GatewayConfig.max_concurrent_requests,
+                        help="generation requests served at once (streams until their end); more are refused "
+                             "at once with 503 and Retry-After (default: %(default)s)")
     parser.add_argument("--request-timeout", type=float, default=3600.0,
                         help="deadline of one generation, seconds")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -51,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_addr=args.tokenizer_addr, engine_addr=args.engine_addr,
             served_model_name=args.served_model_name, api_key=args.api_key,
             limits=Limits(max_n=args.max_n, max_stop_strings=args.max_stop_strings,
-                          max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes),
-            request_timeout_s=args.request_timeout,
+                          max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
+                          max_sequences_per_request=args.max_sequences_per_request),
+            request_timeout_s=args.request_timeout, max_concurrent_requests=args.max_concurrent_requests,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     except ValueError as error:
         raise SystemExit(f"strata gateway: {error}")

@@ -8,13 +8,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway import chat, completions, errors
+from services.gateway.admission import AdmissionMiddleware
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from services.gateway.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ErrorCountMiddleware,
-                                         RequestIdMiddleware, TracingMiddleware)
+from services.gateway.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ErrorBoundaryMiddleware,
+                                         ErrorCountMiddleware, RequestIdMiddleware, TracingMiddleware)
 from services.gateway.serving import GatewayState, gateway_state
 from services.gateway.tools import TOOL_CALL_PARSERS
-from services.gateway.upstream import Upstream
+from services.gateway.upstream import MAX_MESSAGE_BYTES, Upstream
 from services.gateway.validation import Limits
+
+# A body of B bytes can tokenize to B token ids (byte-level BPE), up to 4 bytes each on the wire,
+# and that reply must fit the gRPC message limit: else the request would fail with a retryable
+# status instead of its 400/413.
+MAX_BODY_BYTES_LIMIT = MAX_MESSAGE_BYTES // 4
 
 
 @dataclass(frozen=True)
@@ -27,15 +33,23 @@ class GatewayConfig:
     rpc_timeout_s: float = 30.0
     request_timeout_s: float = 3600.0
     tool_call_parser: str | None = None  # with auto tool choice on (--enable-auto-tool-choice); else None
+    max_concurrent_requests: int = 1024  # generation requests in progress at once; more get 503
+    stream_headers_timeout_s: float = 0.5  # longest a stream's headers wait for its first token
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
         limits = self.limits
-        for name in ("max_n", "max_stop_strings", "max_prompts", "max_body_bytes"):
+        for name in ("max_n", "max_stop_strings", "max_prompts", "max_body_bytes", "max_sequences_per_request"):
             if getattr(limits, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(limits, name)}")
-        if self.request_timeout_s <= 0 or self.rpc_timeout_s <= 0:
+        if limits.max_body_bytes > MAX_BODY_BYTES_LIMIT:
+            raise ValueError(f"--max-body-bytes {limits.max_body_bytes} is over {MAX_BODY_BYTES_LIMIT}: a prompt "
+                             f"that large may tokenize to more than the {MAX_MESSAGE_BYTES >> 20} MiB gRPC "
+                             "message limit; lower it")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.request_timeout_s <= 0 or self.rpc_timeout_s <= 0 or self.stream_headers_timeout_s < 0:
             raise ValueError("timeouts must be > 0 seconds")
 
 
@@ -47,7 +61,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         upstream = Upstream(config.tokenizer_addr, config.engine_addr, config.served_model_name,
                             rpc_timeout_s=config.rpc_timeout_s,
                             generate_timeout_s=config.request_timeout_s)
-        app.state.gateway = GatewayState(upstream, metrics, config.limits, config.tool_call_parser)
+        app.state.gateway = GatewayState(upstream, metrics, config.limits, config.tool_call_parser,
+                                         config.stream_headers_timeout_s)
         try:
             yield
         finally:
@@ -85,11 +100,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
         model_name = (await upstream.facts()).name if load is not None else ""
         return Response(metrics.render(load, model_name), media_type=CONTENT_TYPE)
 
-    # Outermost last: the request id covers every response, 401 and 413 included.
+    # Outermost last: the request id covers every response, 401 and 413 included; errors are
+    # counted whoever answers them, the boundary's 500 included; a request is authenticated before
+    # it takes an admission slot, and refused for overload before its body is read.
+    app.add_middleware(ErrorBoundaryMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
+    app.add_middleware(AdmissionMiddleware, max_concurrent_requests=config.max_concurrent_requests,
+                       gauge=metrics.num_requests_admitted)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(ErrorCountMiddleware, counter=metrics.request_errors)
     app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(ErrorBoundaryMiddleware)  # and once more outermost, for the middleware themselves
     return app

@@ -8,12 +8,13 @@ from fastapi.responses import Response
 
 from services.gateway import logprobs as lp
 from services.gateway.generation import Step
-from services.gateway.protocol import CompletionRequest
+from services.gateway.protocol import ERROR_RESPONSES, CompletionRequest
+from services.gateway.request_body import JsonBodyRoute
 from services.gateway.serving import ChoiceResult, RequestContext, gateway_state, serve
 from services.gateway.upstream import Upstream
 from services.gateway.validation import completion_prompts, validate_completion
 
-router = APIRouter()
+router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
 
 
 class CompletionRenderer:
@@ -65,7 +66,7 @@ class CompletionRenderer:
                 "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
     facts = await state.upstream.facts()
@@ -87,4 +88,4 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             return await state.upstream.decode(prompt, params.skip_special_tokens)
         echo_texts = list(await asyncio.gather(*(prompt_text(p) for p in raw_prompts)))
     renderer = CompletionRenderer(state.upstream, params.num_logprobs is not None, echo_texts, params.n)
-    return await serve(request, state.upstream, state.metrics, facts, ctx, params, prompts, renderer)
+    return await serve(request, state, facts, ctx, params, prompts, renderer)

@@ -1,9 +1,15 @@
 """The gateway's error contract: every failure reaches the client as an OpenAI-shaped error.
 
 Body: ``{"error": {"message", "type", "param", "code"}}``. A request that can never succeed gets a
-4xx that the `openai` client does not retry (never 408/409/429/5xx); an upstream that is down or
-overloaded gets 503. Once an SSE stream has started, the same body goes out as one
-``data: {"error": ...}`` event followed by ``data: [DONE]`` (see ``sse.py``).
+4xx that the `openai` client does not retry (never 408/409/429/5xx); a server that is down or
+overloaded gets 503 with ``Retry-After``, which the client honours when it retries. Once an SSE
+stream has started, the same body goes out as one ``data: {"error": ...}`` event followed by
+``data: [DONE]`` (see ``sse.py``).
+
+Overload is 503, not 429: in OpenAI's API a 429 is the *caller's* rate or quota limit, and what
+refuses here (the gateway's in-flight bound, an engine's full queue) is the server's capacity,
+the same for every caller. A gRPC RESOURCE_EXHAUSTED is read the same way, except when it is
+gRPC's own message-size limit: that request is too large to ever pass, so it is a 413.
 """
 
 from http import HTTPStatus
@@ -14,13 +20,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+RETRY_AFTER_S = 1  # what a 503 asks the client to wait before retrying
+
 # OpenAI's error types by status; the client only reads the status, people read the type.
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    499: "client_closed_request",
     501: "not_implemented_error",
     503: "service_unavailable_error",
     504: "timeout_error",
@@ -42,25 +52,39 @@ _GRPC_TO_HTTP = {
 }
 
 
-class OpenAIError(Exception):
-    """An error the client should see as ``status`` with an OpenAI error body."""
+class OpenAIError(StarletteHTTPException):
+    """An error the client should see as ``status`` with an OpenAI error body. It is an
+    ``HTTPException`` so that FastAPI lets it through unchanged from where it reads the body
+    (see ``request_body.py``). A 503 carries ``Retry-After``; ``headers`` adds more."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | int | None = None, error_type: str | None = None) -> None:
-        super().__init__(message)
+                 code: str | int | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        if status == 503:
+            headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
+        message = _encodable(message)
+        super().__init__(status, message, headers)
         self.message = message
         self.status = status
-        self.param = param
+        self.param = _encodable(param) if param is not None else None
         self.code = code
         self.error_type = error_type or _TYPES.get(status, "internal_server_error" if status >= 500
                                                    else "invalid_request_error")
+
+    def __str__(self) -> str:
+        return self.message
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.error_type,
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _encodable(text: str) -> str:
+    """``text`` with any lone surrogate (echoed client input) escaped, so the body always encodes."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -89,7 +113,20 @@ def model_not_found(model: str) -> OpenAIError:
 
 
 def invalid_api_key() -> OpenAIError:
-    return OpenAIError("Incorrect API key provided.", 401, code="invalid_api_key")
+    return OpenAIError("Incorrect API key provided.", 401, code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+def server_overloaded(max_concurrent_requests: int) -> OpenAIError:
+    return OpenAIError(f"The server is overloaded: {max_concurrent_requests} requests are already in "
+                       "progress (--max-concurrent-requests). Please retry later.", 503,
+                       code="server_overloaded")
+
+
+def client_disconnected() -> OpenAIError:
+    """What a request whose client left is logged and counted as (nobody reads it)."""
+    return OpenAIError("The client closed the connection before the response.", 499,
+                       code="client_disconnected")
 
 
 def body_too_large(max_body_bytes: int) -> OpenAIError:
@@ -105,6 +142,10 @@ def from_grpc(error: grpc.RpcError, upstream: str) -> OpenAIError:
     status = _GRPC_TO_HTTP.get(code, 500)
     if status == 400:
         return OpenAIError(details, 400)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        # gRPC's message-size limit ("Received message larger than max (N vs. M)"): never retryable
+        return OpenAIError(f"The request is too large for the {upstream}: {details}.", 413,
+                           code="request_too_large")
     return OpenAIError(f"{upstream} failed: {code.name}: {details}", status, code=code.name.lower())
 
 
@@ -141,12 +182,12 @@ def install_handlers(app) -> None:
         status = exc.status_code
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
         # Client errors that are FastAPI's own (unknown route, wrong method) are not retryable.
-        return OpenAIError(message, status).response()
+        return OpenAIError(message, status, headers=exc.headers).response()
 
     @app.exception_handler(grpc.RpcError)
     async def _grpc_error(_: Request, exc: grpc.RpcError) -> JSONResponse:
         return from_grpc(exc, "upstream").response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).response()
+    # Any other exception is a bug: ErrorBoundaryMiddleware answers it with a 500 and keeps the
+    # connection. A handler for Exception here would run in Starlette's outermost middleware,
+    # which re-raises after answering, and uvicorn then drops the keep-alive connection.

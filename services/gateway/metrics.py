@@ -22,8 +22,12 @@ class GatewayMetrics:
             "strata:request_success", "Finished choices, by finish reason.",
             labels + ["finished_reason"], registry=self.registry)
         self.request_errors = Counter(
-            "strata:request_errors", "Requests answered with an error, by HTTP status.",
-            ["status_code"], registry=self.registry)
+            "strata:request_errors", "Errors answered, by HTTP status and OpenAI error type; an error "
+            "after a stream began counts with the status it would have had.",
+            ["status_code", "error_type"], registry=self.registry)
+        self.num_requests_admitted = Gauge(
+            "strata:num_requests_admitted", "Generation requests in progress at the gateway, streams "
+            "until their last byte (bounded by --max-concurrent-requests).", registry=self.registry)
         self.prompt_tokens = Counter(
             "strata:prompt_tokens", "Prompt tokens of served requests.", labels, registry=self.registry)
         self.generation_tokens = Counter(

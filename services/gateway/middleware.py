@@ -1,8 +1,11 @@
 """HTTP plumbing around every route, as pure ASGI middleware (they never buffer a stream):
-``x-request-id`` on every response, the request's root trace span, API-key auth on ``/v1``, and
-the request-body size limit."""
+``x-request-id`` on every response, the request's root trace span, API-key auth on ``/v1``, the
+request-body size limit, error counting, and the boundary that turns any exception into a JSON
+answer without dropping the connection."""
 
 import hmac
+import json
+import logging
 import uuid
 
 from starlette.exceptions import HTTPException
@@ -12,6 +15,7 @@ from services.common import telemetry
 from services.gateway import errors
 
 _MAX_REQUEST_ID_LEN = 128
+log = logging.getLogger(__name__)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -28,7 +32,7 @@ def _clean_request_id(raw: bytes | None) -> str | None:
     return text if text.isprintable() and text.isascii() else None
 
 
-async def _send_error(send: Send, error: errors.OpenAIError) -> None:
+async def send_error(send: Send, error: errors.OpenAIError) -> None:
     response = error.response()
     await response({"type": "http"}, _no_receive, send)
 
@@ -71,7 +75,7 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = _header(scope, b"authorization") or b""
             if not hmac.compare_digest(given, self._expected):
-                return await _send_error(send, errors.invalid_api_key())
+                return await send_error(send, errors.invalid_api_key())
         await self.app(scope, receive, send)
 
 
@@ -87,7 +91,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await _send_error(send, errors.body_too_large(self.max_body_bytes))
+            return await send_error(send, errors.body_too_large(self.max_body_bytes))
         received = 0
 
         async def counting_receive() -> Message:
@@ -105,7 +109,8 @@ class BodyLimitMiddleware:
 
 
 class ErrorCountMiddleware:
-    """Counts responses with status >= 400 by status code."""
+    """Counts responses with status >= 400 by status code and OpenAI error type (read from the
+    error body, which is small and whole in its first message; ``unknown`` if it is not one)."""
 
     def __init__(self, app: ASGIApp, counter) -> None:
         self.app = app
@@ -114,13 +119,60 @@ class ErrorCountMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        error_status: int | None = None
 
         async def counting_send(message: Message) -> None:
+            nonlocal error_status
             if message["type"] == "http.response.start" and message["status"] >= 400:
-                self._counter.labels(str(message["status"])).inc()
+                error_status = message["status"]
+            elif message["type"] == "http.response.body" and error_status is not None:
+                self._counter.labels(str(error_status), _error_type(message.get("body", b""))).inc()
+                error_status = None
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def _error_type(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["type"])
+    except (ValueError, TypeError, KeyError):
+        return "unknown"
+
+
+class ErrorBoundaryMiddleware:
+    """The last word on an exception no handler took (a bug): a 500 with an OpenAI body when the
+    response has not started, else the response's end, and one log line with the traceback.
+    It never re-raises, so the server keeps the client's keep-alive connection; Starlette's own
+    last resort re-raises after answering, and uvicorn then closes the connection, which failed the
+    client's next request on it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = finished = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.error("%s %s failed: %s: %s", scope["method"], scope["path"], type(exc).__name__, exc,
+                      exc_info=exc)
+            if not started:
+                await send_error(send, errors.OpenAIError(
+                    f"Internal server error: {type(exc).__name__}: {exc}", 500))
+            elif not finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class TracingMiddleware:

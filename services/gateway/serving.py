@@ -2,11 +2,18 @@
 one JSON response or as an SSE stream, with usage, metrics and client-disconnect handling.
 
 What differs between the two endpoints (chunk and response shapes, logprobs) is a ``Renderer``.
-Errors before the first generated token become a plain HTTP error (so an upstream that is down is a
-503 the client may retry); after that, an SSE error event and ``[DONE]``.
+
+When a stream's headers go out: once the first step arrives, or ``stream_headers_timeout_s``
+(0.5 s) after the Generate calls were made, whichever is first. Until then an error is still a
+plain HTTP status: the gateway's own validation has run before, and an engine that refuses (a full
+queue: 503, a field it rejects: 400, down: 503) does so within milliseconds. A request that merely
+waits in an engine's queue gets its headers (and the role chunk) after the timeout instead of after
+its first token, so a client sees that it was admitted (vLLM answers a stream's headers as soon
+as its own validation passed). An error after the headers is an SSE error event and ``[DONE]``.
 """
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -17,12 +24,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
-from services.gateway import sse
+from services.gateway import errors, sse
 from services.gateway.errors import OpenAIError
 from services.gateway.generation import FanOut, Step, plan_choices
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.upstream import Upstream
 from services.gateway.validation import GenerationParams, Limits, ModelFacts, resolve_max_tokens
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +41,7 @@ class GatewayState:
     metrics: GatewayMetrics
     limits: Limits
     tool_call_parser: str | None = None  # set when auto tool choice is on
+    stream_headers_timeout_s: float = 0.5  # see the module's docstring
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -111,8 +121,14 @@ class _ClientDisconnected(Exception):
     pass
 
 
+def _consume_result(task: asyncio.Future) -> None:
+    """Marks a task's outcome as seen, for a task nobody awaits after it was cancelled."""
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+
 async def _cancel_on_disconnect(request: Request, work: Awaitable):
-    """Awaits ``work``; if the client disconnects first, cancels it (aborting the upstream calls)."""
+    """Awaits ``work``; if the client disconnects first, cancels it (aborting the upstream calls)
+    and raises ``_ClientDisconnected``."""
     task = asyncio.ensure_future(work)
 
     async def wait_for_disconnect() -> None:
@@ -120,13 +136,15 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable):
             pass
 
     watcher = asyncio.ensure_future(wait_for_disconnect())
+    _consume_result(watcher)
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # the client left (or this coroutine was cancelled): stop the work
             task.cancel()
-    if task.cancelled():
+            _consume_result(task)
+    if not task.done():
         raise _ClientDisconnected()
     return task.result()
 
@@ -148,6 +166,10 @@ class _Recorder:
         if step.finish_reason is not None:
             self._metrics.request_success.labels(self._ctx.model, step.finish_reason).inc()
 
+    def error(self, error: OpenAIError) -> None:
+        """An error sent after the stream began (an HTTP error status is counted by middleware)."""
+        self._metrics.request_errors.labels(str(error.status), error.error_type).inc()
+
     def done(self, usage: Usage, completed: bool) -> None:
         model = self._ctx.model
         self._metrics.num_requests_running.labels(model).dec()
@@ -162,20 +184,23 @@ class _Recorder:
                 (now - self._first_token_at) / (usage.completion_tokens - 1))
 
 
-async def serve(request: Request, upstream: Upstream, metrics: GatewayMetrics, facts: ModelFacts,
-                ctx: RequestContext, params: GenerationParams, prompts: list[list[int]],
-                renderer: Renderer) -> Response:
+async def serve(request: Request, state: GatewayState, facts: ModelFacts, ctx: RequestContext,
+                params: GenerationParams, prompts: list[list[int]], renderer: Renderer) -> Response:
     max_tokens = [resolve_max_tokens(params, len(prompt), facts) for prompt in prompts]
     specs = plan_choices(ctx.response_id, prompts, max_tokens, params)
-    fanout = FanOut(upstream, specs, params, facts.eos_token_ids)
+    fanout = FanOut(state.upstream, specs, params, facts.eos_token_ids)
     usage = Usage(prompts, params.n)
-    recorder = _Recorder(metrics, ctx)
+    recorder = _Recorder(state.metrics, ctx)
     handed_over = False
     span = trace.get_current_span()  # the request's root span (TracingMiddleware)
     span.set_attributes({"gen_ai.request.model": ctx.model, "strata.response_id": ctx.response_id,
                          "strata.num_choices": len(specs)})
 
+    first: asyncio.Future | None = None  # a stream's first step, awaited before or after its headers
+
     def on_close() -> None:
+        if first is not None:
+            first.cancel()
         fanout.cancel()
         recorder.done(usage, completed=fanout.finished)
         span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
@@ -183,7 +208,11 @@ async def serve(request: Request, upstream: Upstream, metrics: GatewayMetrics, f
 
     try:
         if params.stream:
-            first = await _cancel_on_disconnect(request, fanout.__anext__())
+            first = asyncio.ensure_future(anext(fanout, None))
+            _consume_result(first)
+            await _cancel_on_disconnect(request, asyncio.wait({first}, timeout=state.stream_headers_timeout_s))
+            if first.done():
+                first.result()  # an error before the headers is an HTTP error status
             handed_over = True  # from here on the response's on_close cleans up
             body = _stream(ctx, params, renderer, first, fanout, usage, recorder, len(specs))
             return _ChoiceStream(body, on_close)
@@ -191,7 +220,9 @@ async def serve(request: Request, upstream: Upstream, metrics: GatewayMetrics, f
                                                              len(specs)))
         return JSONResponse(body)
     except _ClientDisconnected:
-        return Response(status_code=499)
+        log.info("%s: the client disconnected after %.2f s, before the response; its generation was cancelled",
+                 ctx.response_id, time.monotonic() - ctx.arrival)
+        return errors.client_disconnected().response()
     finally:
         if not handed_over:
             on_close()
@@ -228,9 +259,10 @@ class _ChoiceStream(StreamingResponse):
             self._on_close()
 
 
-async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Renderer, first: Step,
-                  fanout: FanOut, usage: Usage, recorder: _Recorder,
+async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Renderer,
+                  first: Awaitable[Step | None], fanout: FanOut, usage: Usage, recorder: _Recorder,
                   num_choices: int) -> AsyncIterator[bytes]:
+    """The SSE body; ``first`` is the first step (already there or still coming)."""
     continuous = params.include_usage and params.continuous_usage_stats
 
     def chunk(choices: list[dict], with_usage: bool = continuous) -> bytes:
@@ -243,7 +275,7 @@ async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Rende
     try:
         for choice in renderer.preamble(list(range(num_choices))):
             yield chunk([choice])
-        step: Step | None = first
+        step: Step | None = await first
         while step is not None:
             usage.update(step)
             recorder.step(step)
@@ -255,6 +287,13 @@ async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Rende
             yield chunk([], with_usage=True)
         yield sse.DONE
     except OpenAIError as error:
+        recorder.error(error)
+        for event in sse.error_events(error):
+            yield event
+    except Exception as exc:  # a bug: the client still gets an error event and [DONE]
+        log.error("%s: the stream failed: %s: %s", ctx.response_id, type(exc).__name__, exc, exc_info=exc)
+        error = OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+        recorder.error(error)
         for event in sse.error_events(error):
             yield event
     finally:

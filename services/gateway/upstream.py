@@ -18,9 +18,10 @@ from services.common.tls import TlsFiles, aio_channel
 from services.gateway import errors
 from services.gateway.validation import MAX_TOP_LOGPROBS, ModelFacts
 
+MAX_MESSAGE_BYTES = 64 << 20  # the tokenizer's and the engine's servers accept as much
 _CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 _MAX_CONCURRENT_DECODES = 32
 

@@ -2,7 +2,9 @@
 checks against the context length. Every rule raises an ``OpenAIError`` (400/404) naming the
 parameter, so a request that can never succeed is refused before it reaches the engine.
 
-Rules follow vLLM where OpenAI is silent: ``top_k`` -1 or 0 is off; ``n`` > 1 with greedy sampling
+Every value must also fit the engine's protobuf field (a float32, a uint32), or the request would
+fail as a 500 when it is encoded. Rules follow vLLM where OpenAI is silent: ``top_k`` -1 or 0 is
+off, and past the vocabulary it is the whole vocabulary; ``n`` > 1 with greedy sampling
 (temperature 0) is refused, as vLLM does ("n must be 1 when using greedy sampling"); with a
 ``seed`` and ``n`` > 1, choice i samples with ``seed + i`` (vLLM's parallel sampling).
 """
@@ -16,6 +18,7 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's cap on chat top_logprobs
 _UINT64 = 1 << 64
+_FLOAT32_MAX = 3.4028234663852886e38  # the engine's sampling floats are protobuf floats
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,17 @@ class ModelFacts:
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request caps, each set by a gateway flag."""
+    """Per-request caps, each set by a gateway flag.
+
+    ``max_sequences_per_request`` bounds what one call fans out to (n x prompts): each sequence is
+    a Generate stream and a seat in an engine's batch or queue. 256 stays below one engine's default
+    capacity (--max-num-seqs 64 + --max-waiting-requests 256), so a lone request is never refused
+    by a default engine as overload (503, retried) when it could never fit at all."""
     max_n: int = 16
     max_stop_strings: int = 16
     max_prompts: int = 64
     max_body_bytes: int = 8 << 20
+    max_sequences_per_request: int = 256
 
 
 @dataclass
@@ -82,7 +91,8 @@ def _check(ok: bool, message: str, param: str) -> None:
 
 
 def _check_finite(value: float | None, param: str) -> None:
-    _check(value is None or math.isfinite(value), f"{param} must be a finite number, got {value}.", param)
+    _check(value is None or (math.isfinite(value) and abs(value) <= _FLOAT32_MAX),
+           f"{param} must be a finite number, got {value}.", param)
 
 
 def _token_id_ok(token_id: int, facts: ModelFacts) -> bool:
@@ -102,6 +112,7 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
         _check_finite(getattr(req, name), name)
 
     _check(1 <= req.n <= limits.max_n, f"n must be between 1 and {limits.max_n}, got {req.n}.", "n")
+    _check_sequences(req.n, 1, limits)
     params.n = req.n
     if req.response_format is not None:  # structured output would be silently unenforced: refuse it
         kind = req.response_format.get("type")
@@ -125,7 +136,7 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
     if req.top_k is not None:
         _check(req.top_k >= -1, f"top_k must be -1 or 0 (disable), or at least 1, got {req.top_k}.",
                "top_k")
-        sampling["top_k"] = max(req.top_k, 0)
+        sampling["top_k"] = min(max(req.top_k, 0), facts.vocab_size)  # past the vocabulary: all of it
     if req.min_p is not None:
         _check(0 <= req.min_p <= 1, f"min_p must be in [0, 1], got {req.min_p}.", "min_p")
         sampling["min_p"] = req.min_p
@@ -231,13 +242,21 @@ def validate_completion(req: CompletionRequest, facts: ModelFacts, limits: Limit
     prompts = completion_prompts(req)
     _check(0 < len(prompts) <= limits.max_prompts,
            f"prompt must hold between 1 and {limits.max_prompts} prompts, got {len(prompts)}.", "prompt")
-    _check(len(prompts) * params.n <= limits.max_prompts * limits.max_n,
-           "Too many choices requested (prompts × n).", "n")
+    _check_sequences(params.n, len(prompts), limits)
     for prompt in prompts:
         if isinstance(prompt, list):
-            _check(all(_token_id_ok(i, facts) for i in prompt),
+            if len(prompt) >= facts.max_model_len:  # before looking at each of (maybe) millions of ids
+                raise errors.context_length_exceeded(facts.max_model_len, len(prompt))
+            _check(not prompt or (min(prompt) >= 0 and max(prompt) < facts.vocab_size),
                    f"Token ids in prompt must be in [0, {facts.vocab_size}).", "prompt")
     return params
+
+
+def _check_sequences(n: int, num_prompts: int, limits: Limits) -> None:
+    num_sequences = n * num_prompts
+    _check(num_sequences <= limits.max_sequences_per_request,
+           f"This request asks for {num_sequences} sequences (n={n} x {num_prompts} prompts); at most "
+           f"{limits.max_sequences_per_request} are allowed per request (--max-sequences-per-request).", "n")
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -82,7 +82,7 @@ def test_request_id_is_echoed_or_generated(client):
 
 def test_errors_are_counted_by_status(client):
     client.get("/v1/nothing", headers=AUTH)
-    assert 'strata:request_errors_total{status_code="404"}' in client.get("/metrics").text
+    assert 'strata:request_errors_total{error_type="invalid_request_error",status_code="404"}' in client.get("/metrics").text
 
 
 class FakeRpcError(grpc.RpcError):

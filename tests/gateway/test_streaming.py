@@ -43,10 +43,11 @@ class ScriptedChoices:
 def run_stream(renderer, params, steps, num_choices):
     async def collect():
         ctx = RequestContext.new("test", "m")
-        source = ScriptedChoices(steps[1:])
+        source = ScriptedChoices(steps)
+        first = asyncio.ensure_future(anext(source, None))
         usage = Usage([[1, 2, 3]], params.n)
         recorder = _Recorder(GatewayMetrics(), ctx)
-        body = b"".join([part async for part in _stream(ctx, params, renderer, steps[0], source, usage,
+        body = b"".join([part async for part in _stream(ctx, params, renderer, first, source, usage,
                                                          recorder, num_choices)])
         return sse.parse(body), source
     return asyncio.run(collect())
