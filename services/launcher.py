@@ -167,8 +167,7 @@ class Stack:
         gateway = [*python, "services.gateway", "--host", config.host, "--port", str(config.port),
                    "--tokenizer-addr", self.tokenizer_addr, "--engine-addr", self.engine_addr,
                    "--served-model-name", self.model_name, *config.gateway_args]
-        if config.api_key:
-            gateway += ["--api-key", config.api_key]
+
         commands["gateway"] = gateway
         self.metrics_urls["gateway"] = self.base_url + "/metrics"
         self._checks["gateway"] = lambda: _http_ok(self.base_url + "/health")
@@ -179,6 +178,8 @@ class Stack:
             env = self._engine_env() if name == "engine" or name.startswith("engine-") else {}
             if name == "autoscaler" or name == "router" or name.startswith("engine"):
                 env.update(self._nats_env)  # the NATS token: in their environment, never on a command line
+            if name == "gateway" and config.api_key:
+                env["STRATA_API_KEY"] = config.api_key  # likewise: `ps` shows argv to everyone
             self.services.append(ChildProcess(name, argv, log_path, config.echo_logs, env))
         try:
             for service in self.services:
@@ -350,7 +351,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address of the gateway (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port of the gateway (default: %(default)s)")
     parser.add_argument("--served-model-name", help="the model name clients send")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1")
+    parser.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $STRATA_API_KEY; the gateway gets "
+                             "it in its environment, and it is never printed)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="engine replicas; more than one adds a router (and NATS for its prefix-aware "
                              "routing) in front of them (default: %(default)s)")
@@ -412,7 +415,7 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
 def curl_example(stack: Stack, api_key: str | None) -> str:
     body = json.dumps({"model": stack.model_name, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Hello!"}]})
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    auth = " -H \"Authorization: Bearer $STRATA_API_KEY\"" if api_key else ""  # the key itself is not echoed
     return (f"curl {stack.base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")
 

@@ -4,10 +4,12 @@
 import argparse
 import logging
 import os
+from pathlib import Path
 
 import uvicorn
 
 from services.common.telemetry import setup_tracing
+from services.common.tls import add_tls_args, tls_from_args
 from services.gateway.app import GatewayConfig, create_app
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.validation import Limits
@@ -22,6 +24,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-addr", required=True, help="host:port of an engine or the router")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the engine's model)")
+    parser.add_argument("--api-key-file", type=Path,
+                        help="read the API key from this file (a mounted secret); not echoed anywhere")
+    parser.add_argument("--shutdown-timeout", type=float, default=60.0,
+                        help="seconds running streams may take to finish after SIGTERM; new requests get 503 "
+                             "meanwhile, and a stream still running then ends with an error event (default: %(default)s)")
+    add_tls_args(parser)
     parser.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $STRATA_API_KEY)")
     parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n per request")
@@ -46,6 +54,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.api_key_file is not None:
+        try:
+            args.api_key = args.api_key_file.read_text().strip()
+        except OSError as error:
+            parser.error(f"--api-key-file: {error}")
+        if not args.api_key:
+            parser.error(f"--api-key-file {args.api_key_file} is empty")
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be >= 0")
+    args.tls = tls_from_args(args, parser)
     return args
 
 
@@ -61,12 +79,29 @@ def main(argv: list[str] | None = None) -> int:
                           max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
                           max_sequences_per_request=args.max_sequences_per_request),
             request_timeout_s=args.request_timeout, max_concurrent_requests=args.max_concurrent_requests,
-            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None, tls=args.tls)
     except ValueError as error:
         raise SystemExit(f"strata gateway: {error}")
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    app = create_app(config)
+    # uvicorn waits a little past the drain's deadline, so the streams' last error events go out first
+    server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=args.shutdown_timeout + 2.0),
+                             app.state.drain, args.shutdown_timeout)
+    server.run()
     return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, beginning the gateway's drain when it is asked to exit (SIGTERM, Ctrl-C)."""
+
+    def __init__(self, config: uvicorn.Config, drain, timeout_s: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._timeout_s = timeout_s
+
+    def handle_exit(self, sig, frame) -> None:
+        self._drain.begin_threadsafe(self._timeout_s)
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class AdmissionMiddleware:
-    def __init__(self, app: ASGIApp, max_concurrent_requests: int, gauge=None) -> None:
+    def __init__(self, app: ASGIApp, max_concurrent_requests: int, gauge=None, drain=None) -> None:
         self.app = app
+        self._drain = drain  # while it drains (SIGTERM), new generation requests get 503
         self.max_concurrent_requests = max_concurrent_requests
         self.num_in_progress = 0
         self._gauge = gauge  # strata:num_requests_admitted, when given
@@ -26,6 +27,8 @@ class AdmissionMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
+        if self._drain is not None and self._drain.draining:
+            return await send_error(send, errors.shutting_down())
         if self.num_in_progress >= self.max_concurrent_requests:
             return await send_error(send, errors.server_overloaded(self.max_concurrent_requests))
         self._set(self.num_in_progress + 1)

@@ -1,5 +1,6 @@
 """The gateway's FastAPI app: routes, error handlers and middleware around one ``Upstream``."""
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -7,8 +8,10 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.common.tls import TlsFiles
 from services.gateway import chat, completions, errors
 from services.gateway.admission import AdmissionMiddleware
+from services.gateway.drain import Drain
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ErrorBoundaryMiddleware,
                                          ErrorCountMiddleware, RequestIdMiddleware, TracingMiddleware)
@@ -35,6 +38,7 @@ class GatewayConfig:
     tool_call_parser: str | None = None  # with auto tool choice on (--enable-auto-tool-choice); else None
     max_concurrent_requests: int = 1024  # generation requests in progress at once; more get 503
     stream_headers_timeout_s: float = 0.5  # longest a stream's headers wait for its first token
+    tls: TlsFiles | None = None  # to the tokenizer and the engine/router (services.common.tls)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -55,14 +59,16 @@ class GatewayConfig:
 
 def create_app(config: GatewayConfig) -> FastAPI:
     metrics = GatewayMetrics()
+    drain = Drain()  # begun by __main__'s server on SIGTERM (app.state.drain)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         upstream = Upstream(config.tokenizer_addr, config.engine_addr, config.served_model_name,
                             rpc_timeout_s=config.rpc_timeout_s,
-                            generate_timeout_s=config.request_timeout_s)
+                            generate_timeout_s=config.request_timeout_s, tls=config.tls)
         app.state.gateway = GatewayState(upstream, metrics, config.limits, config.tool_call_parser,
-                                         config.stream_headers_timeout_s)
+                                         config.stream_headers_timeout_s, drain)
+        drain.loop = asyncio.get_running_loop()
         try:
             yield
         finally:
@@ -106,7 +112,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(ErrorBoundaryMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
     app.add_middleware(AdmissionMiddleware, max_concurrent_requests=config.max_concurrent_requests,
-                       gauge=metrics.num_requests_admitted)
+                       gauge=metrics.num_requests_admitted, drain=drain)
+    app.state.drain = drain
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(ErrorCountMiddleware, counter=metrics.request_errors)

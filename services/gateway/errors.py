@@ -87,6 +87,10 @@ def _encodable(text: str) -> str:
     return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def shutting_down() -> OpenAIError:
+    return OpenAIError("The server is shutting down; retry on another instance or later.", 503, code="shutting_down")
+
+
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(message, 400, param=param)
 

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
 from services.gateway import errors, sse
+from services.gateway.drain import Drain
 from services.gateway.errors import OpenAIError
 from services.gateway.generation import FanOut, Step, plan_choices
 from services.gateway.metrics import GatewayMetrics
@@ -42,6 +43,7 @@ class GatewayState:
     limits: Limits
     tool_call_parser: str | None = None  # set when auto tool choice is on
     stream_headers_timeout_s: float = 0.5  # see the module's docstring
+    drain: Drain = field(default_factory=Drain)  # SIGTERM: running streams get --shutdown-timeout to finish
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -214,7 +216,7 @@ async def serve(request: Request, state: GatewayState, facts: ModelFacts, ctx: R
             if first.done():
                 first.result()  # an error before the headers is an HTTP error status
             handed_over = True  # from here on the response's on_close cleans up
-            body = _stream(ctx, params, renderer, first, fanout, usage, recorder, len(specs))
+            body = _stream(ctx, params, renderer, first, fanout, usage, recorder, len(specs), state.drain)
             return _ChoiceStream(body, on_close)
         body = await _cancel_on_disconnect(request, _collect(ctx, renderer, fanout, usage, recorder,
                                                              len(specs)))
@@ -261,8 +263,9 @@ class _ChoiceStream(StreamingResponse):
 
 async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Renderer,
                   first: Awaitable[Step | None], fanout: FanOut, usage: Usage, recorder: _Recorder,
-                  num_choices: int) -> AsyncIterator[bytes]:
-    """The SSE body; ``first`` is the first step (already there or still coming)."""
+                  num_choices: int, drain: Drain) -> AsyncIterator[bytes]:
+    """The SSE body; ``first`` is the first step (already there or still coming). At the drain's
+    deadline (SIGTERM + --shutdown-timeout) a stream still running ends with an error event."""
     continuous = params.include_usage and params.continuous_usage_stats
 
     def chunk(choices: list[dict], with_usage: bool = continuous) -> bytes:
@@ -275,14 +278,14 @@ async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Rende
     try:
         for choice in renderer.preamble(list(range(num_choices))):
             yield chunk([choice])
-        step: Step | None = await first
+        step: Step | None = await drain.race(first)
         while step is not None:
             usage.update(step)
             recorder.step(step)
             choice = await renderer.stream_choice(step)
             if choice is not None:
                 yield chunk([choice])
-            step = await anext(fanout, None)
+            step = await drain.race(anext(fanout, None))
         if params.include_usage:
             yield chunk([], with_usage=True)
         yield sse.DONE

@@ -9,6 +9,7 @@ import sys
 from services.gateway import sse
 from services.gateway.chat import ChatRenderer
 from services.gateway.completions import CompletionRenderer
+from services.gateway.drain import Drain
 from services.gateway.errors import OpenAIError
 from services.gateway.generation import Step
 from services.gateway.metrics import GatewayMetrics
@@ -48,7 +49,7 @@ def run_stream(renderer, params, steps, num_choices):
         usage = Usage([[1, 2, 3]], params.n)
         recorder = _Recorder(GatewayMetrics(), ctx)
         body = b"".join([part async for part in _stream(ctx, params, renderer, first, source, usage,
-                                                         recorder, num_choices)])
+                                                         recorder, num_choices, Drain())])
         return sse.parse(body), source
     return asyncio.run(collect())
 
