@@ -37,10 +37,14 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.nats_auth import TOKEN_VARIABLE, server_config
 from services.common.supervisor import ChildProcess, CrashLoopError, Supervisor
 from services.engine.threads import openmp_wait_env, usable_cores
+
+if TYPE_CHECKING:  # services.common.tls imports grpc, which must not load before the children fork
+    from services.common.tls import TlsFiles
 
 # The children are forked and exec'd while this process may hold gRPC channels (health checks, or a
 # test's clients): gRPC's fork handlers would run in the child before exec and can abort it.
@@ -80,6 +84,7 @@ class StackConfig:
     min_replicas: int = 1
     max_replicas: int = 3
     autoscaler_args: list[str] = field(default_factory=list)
+    tls: "TlsFiles | None" = None  # --tls-cert/--tls-key/--tls-ca for every gRPC service (services.common.tls)
     restart_backoff_s: float = 1.0  # a service that dies is started again after this, doubling while it keeps dying
 
 
@@ -131,7 +136,7 @@ class Stack:
         self.tokenizer_addr = f"127.0.0.1:{tokenizer_port}"
         commands = {"tokenizer": [*python, "services.tokenizer", "--model", model_dir,
                                   "--host", "127.0.0.1", "--port", str(tokenizer_port), *config.tokenizer_args]}
-        self._checks["tokenizer"] = lambda: _grpc_serving(self.tokenizer_addr)
+        self._checks["tokenizer"] = lambda: _grpc_serving(self.tokenizer_addr, config.tls)
         engine = [*python, "services.engine", "--model", model_dir, "--host", "127.0.0.1",
                   "--served-model-name", self.model_name, *config.engine_args]
         if config.autoscale:
@@ -171,6 +176,10 @@ class Stack:
         commands["gateway"] = gateway
         self.metrics_urls["gateway"] = self.base_url + "/metrics"
         self._checks["gateway"] = lambda: _http_ok(self.base_url + "/health")
+        if config.tls is not None:  # every Strata service serves (and calls others over) TLS
+            for name, argv in commands.items():
+                if name != "nats":
+                    argv.extend(config.tls.flags())
         if config.log_dir is not None:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         for name, argv in commands.items():
@@ -232,7 +241,7 @@ class Stack:
                 argv = [*_without_flag(argv, "--metrics-port"), "--metrics-port", port]
             self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         commands[name] = [*argv, "--port", address.rsplit(":", 1)[1]]
-        self._checks[name] = lambda: _grpc_serving(address)
+        self._checks[name] = lambda: _grpc_serving(address, self.config.tls)
         return address
 
     def _add_nats(self, commands: dict) -> str | None:
@@ -331,10 +340,10 @@ def _tcp_open(host: str, port: int) -> bool:
         return False
 
 
-def _grpc_serving(addr: str) -> bool:
+def _grpc_serving(addr: str, tls: "TlsFiles | None" = None) -> bool:
     from services.common.health_probe import serving  # imports grpc: only once the children are spawned
 
-    return serving(addr, timeout_s=1.0)
+    return serving(addr, timeout_s=1.0, tls=tls)
 
 
 def _http_ok(url: str) -> bool:
@@ -384,6 +393,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     scaling.add_argument("--autoscaler-args", default="",
                          help="more autoscaler flags, one quoted string, e.g. \"--target-waiting 4 --cooldown 10\"")
     parser.add_argument("--router-args", default="", help="router flags (with --replicas > 1), one quoted string")
+    tls = parser.add_argument_group("TLS on every gRPC hop (services.common.tls)")
+    tls.add_argument("--tls-cert", type=Path, help="certificate (PEM) every service serves and presents")
+    tls.add_argument("--tls-key", type=Path, help="its private key (PEM)")
+    tls.add_argument("--tls-ca", type=Path, help="CA (PEM) that signed it: services verify each other (mutual TLS)")
     parser.add_argument("--log-dir", type=Path, help="write each service's log to DIR/<service>.log "
                         "instead of prefixing it to this terminal")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
@@ -436,6 +449,13 @@ def main(argv: list[str] | None = None) -> int:
                          autoscale=args.autoscale, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                          autoscaler_args=shlex.split(args.autoscaler_args),
                          startup_timeout_s=args.startup_timeout, grace_s=args.grace)
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        from services.common.tls import TlsFiles  # imports grpc: after GRPC_ENABLE_FORK_SUPPORT is set
+
+        try:
+            config.tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+        except ValueError as error:
+            raise SystemExit(f"strata up: {error}")
     stack = Stack(config)
     _stop_on_signals(stack)
     logs = f" (logs in {args.log_dir})" if args.log_dir else ""
