@@ -145,7 +145,8 @@ class Supervisor:
     """Keeps children running from one thread (``start()`` .. ``stop()``); see the module docstring.
 
     ``on_change(name, event, detail)`` is told "up", "down" (it died after being up), "restarting"
-    (it died again before being up), "retired" and "gone" (a retired child exited), with a sentence
+    (it died again before being up), "retired", "killed" (a retired child still running after the
+    grace) and "gone" (a retired child exited), with a sentence
     of detail; it runs on the supervisor's thread and must be quick."""
 
     def __init__(self, initial_backoff_s: float = 1.0, max_backoff_s: float = 30.0, max_failed_starts: int = 5,
