@@ -6,9 +6,9 @@ comes from its NATS load reports, or, without NATS or when reports stop, from po
 Replicas are given by address at start, and a load report from an address not yet known adds one
 (engines can join by publishing: the autoscaler's new replicas do), but only when the router's
 NATS connection is authenticated (`services.common.nats_auth`: then only holders of the token can
-publish) and only up to ``max_joined`` of them; a report that may not join is dropped and logged. A replica whose report says it
-is draining (scale-down, SIGTERM) is taken out of routing at once, without waiting for the next
-health check; one that joined by publishing is forgotten once it has been down ``forget_after_s``
+publish) and only up to ``max_joined`` of them; a report that may not join is dropped and logged.
+A replica whose report says it is draining (scale-down, SIGTERM) is taken out of routing at once,
+without waiting for the next health check; one that joined by publishing is forgotten once it has been down ``forget_after_s``
 (a drained replica does not come back; a restarted one joins again with its next report).
 """
 
