@@ -27,6 +27,12 @@ def stack(default_model_dir, tmp_path_factory):
                       "--log-level", "warning"],
         tokenizer_args=["--trust-request-chat-template"],  # tests bring their own templates
         log_dir=log_dir, echo_logs=False, startup_timeout_s=120, grace_s=5)
+    yield from serving(config)
+
+
+def serving(config: StackConfig):
+    """A fixture's body: the stack started (a failed start fails the test, naming the service),
+    yielded, then stopped with nothing left running."""
     stack = Stack(config)
     try:
         stack.start()

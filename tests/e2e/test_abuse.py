@@ -13,7 +13,8 @@ import h11
 import httpx
 import pytest
 
-from services.launcher import Stack, StackConfig, StartupError, find_free_port
+from services.launcher import StackConfig, find_free_port
+from tests.e2e.conftest import serving
 
 API_KEY = "sk-abuse"
 MODEL = "strata-tiny-v1"
@@ -33,13 +34,7 @@ def abuse_stack(default_model_dir, tmp_path_factory):
         gateway_args=["--max-concurrent-requests", str(MAX_CONCURRENT), "--max-n", "4",
                       "--max-sequences-per-request", str(ENGINE_CAPACITY), "--log-level", "info"],
         log_dir=tmp_path_factory.mktemp("abuse-logs"), echo_logs=False, startup_timeout_s=120, grace_s=5)
-    stack = Stack(config)
-    try:
-        stack.start()
-    except StartupError as error:
-        pytest.fail(f"the stack did not start: {error}")
-    yield stack
-    stack.stop()
+    yield from serving(config)
 
 
 @pytest.fixture(scope="module")

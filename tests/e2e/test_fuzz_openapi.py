@@ -19,7 +19,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from services.launcher import Stack, StackConfig, StartupError, find_free_port
+from services.launcher import StackConfig, find_free_port
+from tests.e2e.conftest import serving
 
 API_KEY = "sk-fuzz"
 MODEL = "strata-tiny-v1"
@@ -35,13 +36,7 @@ def fuzz_stack(default_model_dir, tmp_path_factory):
                      "--enforce-eager"],
         gateway_args=["--max-n", "4", "--max-body-bytes", "200000", "--log-level", "warning"],
         log_dir=tmp_path_factory.mktemp("fuzz-logs"), echo_logs=False, startup_timeout_s=120, grace_s=5)
-    stack = Stack(config)
-    try:
-        stack.start()
-    except StartupError as error:
-        pytest.fail(f"the stack did not start: {error}")
-    yield stack
-    stack.stop()
+    yield from serving(config)
 
 
 @pytest.fixture(scope="module")
