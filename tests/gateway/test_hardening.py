@@ -24,6 +24,7 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.request_body import parse_json_body
 from services.gateway.validation import GenerationParams, Limits, ModelFacts, validate_chat, validate_completion
 from tests.gateway.test_http_errors import FakeRpcError
+from tests.gateway.test_streaming import ScriptedChoices
 
 CONFIG = GatewayConfig(tokenizer_addr="127.0.0.1:9", engine_addr="127.0.0.1:9", api_key="sk-test")
 AUTH = {"Authorization": "Bearer sk-test", "Content-Type": "application/json"}
@@ -249,33 +250,8 @@ class FakeRequest:
         return {"type": "http.disconnect"}
 
 
-class ScriptedFanOut:
-    """FanOut's interface: the given (delay, step or exception) items in order."""
-
-    def __init__(self, items) -> None:
-        self._items = list(items)
-        self.finished = False
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self._items:
-            self.finished = True
-            raise StopAsyncIteration
-        delay, item = self._items.pop(0)
-        await asyncio.sleep(delay)
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def cancel(self):
-        self.cancelled = True
-
-
 def run_serve(monkeypatch, items, stream: bool, leave_after_s: float | None = None, headers_timeout_s: float = 0.1):
-    fanout = ScriptedFanOut(items)
+    fanout = ScriptedChoices(items)  # (delay_s, step or exception) items
     monkeypatch.setattr(serving, "FanOut", lambda *args: fanout)
     fanout.metrics = GatewayMetrics()
     state = serving.GatewayState(None, fanout.metrics, Limits(), stream_headers_timeout_s=headers_timeout_s)

@@ -18,7 +18,8 @@ from services.gateway.validation import GenerationParams
 
 
 class ScriptedChoices:
-    """Yields the given steps (an exception is raised when reached), like FanOut."""
+    """Yields the given steps (an exception is raised when reached), like FanOut; an item may be a
+    ``(delay_s, step)`` pair, yielded after that delay."""
 
     def __init__(self, items):
         self._items = list(items)
@@ -33,6 +34,9 @@ class ScriptedChoices:
             self.finished = True
             raise StopAsyncIteration
         item = self._items.pop(0)
+        if isinstance(item, tuple):
+            delay, item = item
+            await asyncio.sleep(delay)
         if isinstance(item, Exception):
             raise item
         return item
