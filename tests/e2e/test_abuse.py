@@ -264,7 +264,7 @@ async def _timed_stream(port: int, index: int) -> dict:
     is asyncio streams and h11, not httpx: httpx's pool with 300 requests at once spends seconds of
     the client's own CPU, which on 2 cores would be measured as the server's latency."""
     body = json.dumps(chat_body(messages=[{"role": "user", "content": f"request {index}"}], max_tokens=64,
-                                stream=True)).encode()
+                                ignore_eos=True, stream=True)).encode()  # every admitted one ends at "length"
     connection = h11.Connection(h11.CLIENT)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     request = h11.Request(method="POST", target="/v1/chat/completions", headers=[
