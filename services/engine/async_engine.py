@@ -37,6 +37,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str
     fairness_key: str
+    arrival_time: float  # time.monotonic() when generate() was called
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class AsyncEngine:
         cache_salt: str = "",
         fairness_key: str = "",
     ) -> AsyncIterator[RequestOutput]:
+        arrival_time = time.monotonic()
         self.core.validate(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -117,7 +119,7 @@ class AsyncEngine:
                     f"(--max-num-seqs {self.core.config.max_num_seqs} + --max-waiting-requests "
                     f"{self.core.config.max_waiting_requests}); retry later")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, fairness_key))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, fairness_key, arrival_time))
         finished = False
         try:
             while not finished:
@@ -178,7 +180,7 @@ class AsyncEngine:
             return
         try:
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                  command.cache_salt, command.fairness_key)
+                                  command.cache_salt, command.fairness_key, command.arrival_time)
         except Exception as exc:
             self._deliver_error(command.request_id, exc)
 

@@ -77,10 +77,13 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str = "",
         fairness_key: str = "",
+        arrival_time: float | None = None,
     ) -> Request:
+        """Queues a request; ``arrival_time`` (`time.monotonic()`) is when the engine received it, by
+        default now."""
         self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                          cache_salt=cache_salt, fairness_key=fairness_key)
+                          cache_salt=cache_salt, arrival_time=arrival_time, fairness_key=fairness_key)
         self.scheduler.add_request(request)
         return request
 

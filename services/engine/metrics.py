@@ -7,6 +7,16 @@ from services.engine.scheduler import SchedulerStats
 from services.engine.scheduler_output import RequestOutput
 
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# vLLM's: its request latency buckets for the decode and inference times; its time-to-first-token
+# buckets for the queue and prefill times, the parts of TTFT, which are often under vLLM's first
+# latency bucket (0.3 s); its inter-token latency buckets; 1-2-5 steps for request lengths.
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                        10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                        20.0, 40.0, 80.0)
+_LENGTH_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # 1 .. 5,000,000 tokens
 
 
 class EngineMetrics:
@@ -22,6 +32,9 @@ class EngineMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"strata:{name}", doc, labels, registry=self.registry).labels(model_name)
 
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"strata:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.").labels(model_name)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
         self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
@@ -31,10 +44,24 @@ class EngineMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, in [0, 1].")
-        self.iteration_tokens = Histogram("strata:iteration_tokens_total", "Tokens computed per engine step.",
-                                          labels, buckets=_TOKEN_BUCKETS, registry=self.registry).labels(model_name)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.step_seconds = Histogram("strata:engine_step_seconds", "Wall time of one engine step.", labels,
                                       registry=self.registry).labels(model_name)
+        # Per finished request (stop or length), from the engine's own clock; see RequestTimes.
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival in the engine to first "
+                                    "scheduled (a preempted request's later waits excluded).", _FIRST_TOKEN_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduled to the first "
+                                      "token.", _FIRST_TOKEN_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.",
+                                     _REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Time from first scheduled to the last "
+                                        "token.", _REQUEST_LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between two consecutive tokens "
+                                             "of a request.", _INTER_TOKEN_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.",
+                                               _LENGTH_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per finished "
+                                                   "request.", _LENGTH_BUCKETS)
         self.model_name = model_name
         self._last: SchedulerStats | None = None
 
@@ -48,8 +75,17 @@ class EngineMetrics:
             self.generation_tokens.inc(num_new)
             if num_new and output.num_output_tokens == num_new:
                 self.prompt_tokens.inc(output.num_prompt_tokens)
+            times = output.times
+            if times.inter_token_s is not None:
+                self.inter_token_latency.observe(times.inter_token_s)
             if output.finished:
                 self.request_success.labels(self.model_name, output.finish_reason).inc()
+                self.queue_time.observe(times.queue_s)
+                self.prefill_time.observe(times.prefill_s)
+                self.decode_time.observe(times.decode_s)
+                self.inference_time.observe(times.inference_s)
+                self.request_prompt_tokens.observe(output.num_prompt_tokens)
+                self.request_generation_tokens.observe(output.num_output_tokens)
         last = self._last
         self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))

@@ -3,6 +3,7 @@
 import enum
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.engine.sampling_params import SamplingParams
 
@@ -18,6 +19,55 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """When a request reached each stage in the engine, in `time.monotonic()` seconds; None: not yet.
+
+    The scheduler sets them: ``first_scheduled`` once (a preempted request keeps it), the token times
+    at the end of each step that sampled a token for the request, ``finished`` when it stops.
+    A `RequestOutput` carries a copy, as of that output."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    previous_token: float | None = None  # when the token before the latest one was sampled
+    last_token: float | None = None
+    finished: float | None = None
+
+    def copy(self) -> "RequestTimes":
+        return RequestTimes(self.arrival, self.first_scheduled, self.first_token, self.previous_token,
+                            self.last_token, self.finished)
+
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival to first scheduled (a preempted request's later waits are not queue time)."""
+        return _between(self.arrival, self.first_scheduled)
+
+    @property
+    def prefill_s(self) -> float | None:
+        """First scheduled to first token."""
+        return _between(self.first_scheduled, self.first_token)
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token to finished."""
+        return _between(self.first_token, self.finished)
+
+    @property
+    def inference_s(self) -> float | None:
+        """First scheduled to finished."""
+        return _between(self.first_scheduled, self.finished)
+
+    @property
+    def inter_token_s(self) -> float | None:
+        """Previous token to the latest one; None up to the first token."""
+        return _between(self.previous_token, self.last_token)
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 class Request:
@@ -46,7 +96,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cache_salt = cache_salt
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.times = RequestTimes(time.monotonic() if arrival_time is None else arrival_time)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -25,6 +25,7 @@ The engine loop calls ``schedule()``, runs the model on the result, and hands wh
 ``add_request`` and ``abort_request`` from the engine loop, between steps.
 """
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -120,6 +121,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
+        request.times.finished = time.monotonic()
         return [_request_output(request, [], [])]
 
     def schedule(self) -> SchedulerOutput:
@@ -152,8 +154,9 @@ class Scheduler:
             self.waiting.remove(request)
             running_per_key[request.fairness_key] += 1
             request.num_computed_tokens = num_computed_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # its first admission (not a return after preemption)
                 request.num_cached_tokens = num_computed_tokens
+                request.times.first_scheduled = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.chunks.append(ScheduledChunk(request, num_new_tokens, kv.block_ids(request)))
@@ -168,6 +171,7 @@ class Scheduler:
         condition (freeing their blocks). Returns one output per request that got a token."""
         outputs = []
         num_finished = 0
+        now = time.monotonic()  # when this step's tokens were sampled
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
@@ -180,9 +184,14 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             token_id = model_runner_output.sampled_token_ids[request.request_id]
             request.append_output(token_id)
+            times = request.times
+            times.previous_token, times.last_token = times.last_token, now
+            if times.first_token is None:
+                times.first_token = now
             logprobs = model_runner_output.logprobs.get(request.request_id)
             status = self._check_stop(request, token_id)
             if status is not None:
+                times.finished = now
                 self._finish(request, status)
                 num_finished += 1
             outputs.append(_request_output(request, [token_id], [logprobs] if logprobs else []))
@@ -283,4 +292,5 @@ def _request_output(
         num_output_tokens=request.num_output_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         stop_token_id=request.stop_token_id,
+        times=request.times.copy(),
     )

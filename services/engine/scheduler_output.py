@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from services.engine.request import Request
+from services.engine.request import Request, RequestTimes
 
 
 @dataclass
@@ -67,6 +67,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    times: RequestTimes  # the request's stage times as of this output
     stop_token_id: int | None = None
 
     @property

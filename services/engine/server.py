@@ -10,6 +10,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 import uuid
 
 import uvloop
@@ -26,6 +27,7 @@ from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import KvEventBuffer, NatsPublisher, publish_load, report_load
 from services.engine.protocol import output_to_proto, sampling_params_from_proto
+from services.engine.request import RequestTimes
 from services.engine.threads import openmp_wait_description, set_num_threads
 
 log = logging.getLogger(__name__)
@@ -58,13 +60,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         first = True
         async for output in engine.generate(request_id, list(request.prompt_token_ids), params, request.cache_salt,
                                             request.fairness_key):
+            times = output.times
             if first:
-                span.add_event("first_token")
+                _add_stage_events(span, times)
                 first = False
             if output.finish_reason is not None:
                 span.set_attributes({"gen_ai.response.finish_reasons": (output.finish_reason,),
                                      "gen_ai.usage.output_tokens": output.num_output_tokens,
-                                     "strata.cached_prompt_tokens": max(output.num_cached_tokens, 0)})
+                                     "strata.cached_prompt_tokens": max(output.num_cached_tokens, 0),
+                                     "strata.decode_time_s": times.decode_s,
+                                     "strata.inference_time_s": times.inference_s})
             yield output_to_proto(output, self.config.replica_id)
 
     async def Info(self, request: engine_pb2.EngineInfoRequest, context) -> engine_pb2.EngineInfoResponse:
@@ -89,6 +94,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions,
         )
+
+
+def _add_stage_events(span: trace.Span, times: RequestTimes) -> None:
+    """The request's engine stages up to its first token on ``span``: events ``queued`` (arrival),
+    ``scheduled`` (first scheduled) and ``first_token`` at the times they happened, and their
+    durations as attributes (decode and inference times follow at the finish)."""
+    monotonic_to_wall_ns = time.time_ns() - time.monotonic_ns()
+    for name, at in (("queued", times.arrival), ("scheduled", times.first_scheduled),
+                     ("first_token", times.first_token)):
+        span.add_event(name, timestamp=monotonic_to_wall_ns + round(at * 1e9))
+    span.set_attributes({"strata.queue_time_s": times.queue_s, "strata.prefill_time_s": times.prefill_s})
 
 
 def run_server(config: EngineConfig, host: str, port: int, served_model_name: str,

@@ -131,7 +131,8 @@ def test_a_streamed_request_is_one_trace_under_the_clients_span(traced_stack):
     assert generate.service == ENGINE and generate.parent_id == root.span_id
     assert generate.attributes["gen_ai.usage.output_tokens"] == 5
     assert generate.attributes["gen_ai.response.finish_reasons"] == ["length"]
-    assert "first_token" in generate.events
+    assert generate.events == ["queued", "scheduled", "first_token"]  # the engine's stages, in order
+    assert generate.attributes["strata.queue_time_s"] >= 0 and generate.attributes["strata.decode_time_s"] > 0
     for name in (ENCODE_CHAT, DETOKENIZE):
         assert by_name[name].service == TOKENIZER and by_name[name].parent_id == root.span_id
 

@@ -184,6 +184,30 @@ def test_preempted_request_recomputes_prompt_and_output():
     assert_all_free(scheduler)
 
 
+def test_stage_times_follow_the_steps_and_a_preemption_keeps_the_first_schedule():
+    scheduler = make_scheduler(num_blocks=4)
+    a, b = make_request("a", 7, max_tokens=4), make_request("b", 7, max_tokens=4)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    model = FakeModel()
+    _, outputs = step(scheduler, model)
+    times = b.times
+    first_scheduled, first_token = times.first_scheduled, times.first_token
+    assert times.arrival <= first_scheduled <= first_token == times.last_token
+    assert [output.times.inter_token_s for output in outputs] == [None, None]
+    _, outputs = step(scheduler, model)
+    assert [output.times.inter_token_s >= 0 for output in outputs] == [True, True]
+    assert outputs[1].times is not times and outputs[1].times == times  # a copy, as of the output
+    out, _ = step(scheduler, model)
+    assert out.preempted == [b]
+    finished = run_to_completion(scheduler, model)
+    assert (times.first_scheduled, times.first_token) == (first_scheduled, first_token)
+    assert finished["b"].times.finished == times.finished >= times.last_token >= times.previous_token
+    assert finished["a"].times.finished <= times.previous_token  # b waited, preempted, until a finished
+    assert times.decode_s == times.finished - first_token and times.queue_s == first_scheduled - times.arrival
+    assert_all_free(scheduler)
+
+
 def test_preempted_request_without_prefix_caching_recomputes_everything():
     scheduler = make_scheduler(num_blocks=4, enable_prefix_caching=False)
     a, b = make_request("a", 7, max_tokens=4), make_request("b", 7, max_tokens=4)
