@@ -9,8 +9,10 @@ import torch
 from services.engine.attention import AttentionMetadata, get_attention_backend
 from services.engine.compiled_forward import DecodeGraphs, can_compile, default_buckets, use_inductor_cache_dir
 from services.engine.config import EngineConfig
+from services.engine.cpu_kernels import decode_forward
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
+from services.engine.models.packed_linear import NATIVE_MAX_ROWS
 from services.engine.request import Request
 from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
@@ -60,6 +62,7 @@ class ModelRunner:
                           for _ in range(mc.num_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device, config.seed)
         self.is_captured = False  # whether steps run the compiled graphs (after warmup)
+        self.decode_step = self._native_decode_step()
 
     @property
     def vocab_size(self) -> int:
@@ -106,6 +109,11 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return [], torch.empty(0, self.vocab_size)
         num_tokens = scheduler_output.num_batched_tokens
+        if self.decode_step is not None and num_tokens == len(scheduler_output.chunks) <= NATIVE_MAX_ROWS:
+            batch = self._prepare(scheduler_output.chunks)  # one token each: a decode step, in one native call
+            md = batch.metadata
+            hidden = self.decode_step(batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)
+            return batch.sample_requests, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         bucket = self.graphs.bucket_for(num_tokens) if self.is_captured else None
         batch = self._prepare(scheduler_output.chunks, bucket - num_tokens if bucket else 0)
         hidden = self._forward(batch, compiled=bucket is not None)  # [T, H]
@@ -115,6 +123,16 @@ class ModelRunner:
         metadata = self.attention.prepare(batch.metadata)
         forward = self.graphs.run if compiled else self.model
         return forward(batch.input_ids, batch.positions, self.kv_caches, metadata)
+
+    def _native_decode_step(self) -> decode_forward.DecodeStep | None:
+        """The whole decode step as one native call (``cpu_kernels/decode_forward``), where it can run."""
+        if self.attention.use_triton_kernels:
+            return None
+        reason = decode_forward.unsupported_reason(self.model, self.kv_caches, self.dtype, self.device)
+        if reason is not None:
+            log.info("decode steps run the model forward: the native decode step is off (%s)", reason)
+            return None
+        return decode_forward.DecodeStep(self.model, self.kv_caches, self.attention.scale)
 
     def free_request(self, request_id: str) -> None:
         """Drop a finished request's sampler state (its seeded generator)."""

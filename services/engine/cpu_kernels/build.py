@@ -1,9 +1,9 @@
 """Builds and loads the engine's native CPU kernels: plain C++ with OpenMP, compiled once per machine
 with the system's C++ compiler and loaded with ``ctypes``.
 
-No torch headers and no pybind11: a kernel source compiles in about a second, the shared object is
-cached on disk under a key of its source, the compiler flags and this CPU's instruction set, so a
-second start (or another replica) loads it at once. The kernels link the same GNU OpenMP runtime as
+No torch headers and no pybind11: a kernel source compiles in seconds, the shared object is cached
+on disk under a key of its source, the shared headers beside it (``*.h``), the compiler flags and this
+CPU's instruction set, so a second start (or another replica) loads it at once. The kernels link the same GNU OpenMP runtime as
 torch, so they share its thread pool.
 
 Without a compiler, or when a build fails, ``load_library`` returns None once with a warning, and the
@@ -76,6 +76,8 @@ def _build_and_load(source: Path) -> ctypes.CDLL | None:
 def _cache_key(source: Path, cxx: str) -> str:
     digest = hashlib.sha256()
     digest.update(source.read_bytes())
+    for header in sorted(SOURCE_DIR.glob("*.h")):  # the kernels' shared headers
+        digest.update(header.read_bytes())
     digest.update(" ".join((cxx, *CFLAGS)).encode())
     digest.update(platform.machine().encode())
     digest.update(_cpu_flags().encode())

@@ -1,0 +1,277 @@
+// One decode step of a Llama-family model (Llama, Mistral, Qwen2) on the CPU: every layer, from the
+// token embeddings to the final norm, in one OpenMP parallel region.
+//
+// A decode step at small batch is a chain of many short operations (the projections stream their
+// weights in tens of microseconds, the norms, rotary and activation take a few), so what it costs
+// beyond the weight reads is the cost of starting each one: a call from Python, an OpenMP region whose
+// idle threads may have gone to sleep, a temporary tensor. Here the threads enter one region and meet
+// at a barrier between the phases of each layer:
+//
+//   norm(residual + x) -> qkv -> rotary, K/V store -> paged attention -> o -> norm(residual + o)
+//   -> gate_up -> silu(gate) * up -> down
+//
+// The projections are linear_panels.h's kernels on the weights linear.py blocked at load time, the
+// attention is paged_decode_kernels.h's. Every intermediate is rounded to the model's dtype where the
+// torch forward (services/engine/models/llama.py) rounds it, so both compute the same numbers up to the
+// order of float32 sums in the norms.
+
+#include "linear_panels.h"
+#include "paged_decode_kernels.h"
+
+#include <memory>
+#include <type_traits>
+
+namespace {
+
+// Pointers into one layer's tensors, in the model's dtype; biases may be null.
+struct LayerWeights {
+  const void* input_norm;    // [H]
+  const void* qkv;           // blocked [q + 2 kv, H]
+  const void* qkv_bias;      // [q + 2 kv]
+  const void* o;             // blocked [H, q]
+  const void* o_bias;        // [H]
+  const void* post_norm;     // [H]
+  const void* gate_up;       // blocked [2 I, H]: gate rows, then up rows
+  const void* gate_up_bias;  // [2 I]
+  const void* down;          // blocked [H, I]
+  const void* down_bias;     // [H]
+  void* k_cache;             // [num_blocks, block_size, kv_heads, D], contiguous
+  void* v_cache;
+  int64_t window;            // 0: the whole context
+};
+
+struct ModelWeights {
+  int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+  float eps, scale;
+  const void* embed;       // [vocab, H]
+  const void* final_norm;  // [H]
+  const void* cos;         // [positions, D]
+  const void* sin;         // [positions, D], the second half negated (see models/rope.py)
+  const LayerWeights* layers;
+};
+
+struct StepInputs {
+  int64_t num_rows;             // one new token per request
+  const int64_t* token_ids;     // [M]
+  const int64_t* positions;     // [M]
+  const int64_t* slot_mapping;  // [M]: where each new token's K/V goes
+  const int64_t* block_tables;  // [M, >= blocks], row stride table_stride
+  const int64_t* seq_lens;      // [M]: context including the new token
+  int64_t table_stride;
+  int64_t min_chunk_tokens;     // see paged_decode_kernels.h's plan_chunks
+  void* out;                    // [M, H]: the final norm of the last hidden state
+};
+
+// The model's element type: float32, or bfloat16 as its bits.
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static constexpr int kDtype = kFloat32;
+  using Packed = float;  // x as the panel kernels read it
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+  static float round(float v) { return v; }
+};
+template <>
+struct Elem<uint16_t> {
+  static constexpr int kDtype = kBFloat16;
+  using Packed = XElement;
+  static float load(uint16_t v) { return bf16_to_f32(v); }
+  static uint16_t store(float v) { return f32_to_bf16(v); }
+  static float round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+};
+
+// y[m, n] = x[m, k] W^T + b in T, from inside the parallel region (ends with a barrier). `packed`
+// holds m * (k + 1) elements: x in the layout of the panel kernels, skipped for one row where that
+// layout is x itself.
+template <typename T>
+void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* bias, int64_t n, T* y,
+            typename Elem<T>::Packed* packed) {
+  using P = typename Elem<T>::Packed;
+  const T* b = static_cast<const T*>(bias);
+  auto store = [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
+    T* out = y + row * n + first_out;
+    for (int o = 0; o < num_outs; ++o)
+      out[o] = Elem<T>::store(acc[o] + (b ? Elem<T>::load(b[first_out + o]) : 0.0f));
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    const float* xp = x;
+    if (m > 1) {
+#pragma omp single
+      pack_x_into<float>(packed, x, m, k, k, k, 1, [](float v) { return v; });
+      xp = packed;
+    }
+    run_panels<PanelF32>(xp, m, k, static_cast<const float*>(blocked), k * kPanel, k, n, store);
+  } else {
+    const int64_t k_pairs = (k + 1) / 2;
+    const P* xp = reinterpret_cast<const P*>(x);
+    if (m > 1 || k % 2 || !std::is_same_v<P, uint16_t>) {
+#pragma omp single
+      pack_x_into<P>(packed, x, m, k, k, k_pairs, 2, x_element);
+      xp = packed;
+    }
+    run_panels<PanelBF16>(xp, m, 2 * k_pairs, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs,
+                          n, store);
+  }
+}
+
+// out = norm(x) * weight over one row of n, as models/layers.py's RMSNorm: float32 throughout for a
+// float32 model; for bfloat16 the normalised row is rounded before the weight multiplies it.
+template <typename T>
+void rms_norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
+  float sums[16] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = Elem<T>::load(x[i]);
+    sums[i % 16] += v * v;
+  }
+  float sum = 0.0f;
+  for (float s : sums) sum += s;
+  const float inverse = 1.0f / std::sqrt(sum / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = Elem<T>::store(Elem<T>::load(weight[i]) * Elem<T>::round(Elem<T>::load(x[i]) * inverse));
+}
+
+// Rotates one head's D values in place at `position`, as models/rope.py's apply_rotary_ (HF's
+// x * cos + rotate_half(x) * sin), each product and sum rounded to T.
+template <typename T>
+void rotate_head(T* x, const T* cos, const T* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float x1 = Elem<T>::load(x[d]), x2 = Elem<T>::load(x[d + half]);
+    const float partner1 = Elem<T>::round(x1 * Elem<T>::load(sin[d]));
+    const float partner2 = Elem<T>::round(x2 * Elem<T>::load(sin[d + half]));
+    const float c1 = Elem<T>::round(x1 * Elem<T>::load(cos[d]));
+    const float c2 = Elem<T>::round(x2 * Elem<T>::load(cos[d + half]));
+    x[d] = Elem<T>::store(c1 + partner2);
+    x[d + half] = Elem<T>::store(c2 + partner1);
+  }
+}
+
+// silu(gate) * up for `count` elements from `i`, silu's result rounded to T before the product.
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
+  int64_t i = 0;
+#ifdef STRATA_AVX512
+  for (; i + 16 <= count; i += 16) {
+    float g[16], u[16];
+    for (int j = 0; j < 16; ++j) g[j] = Elem<T>::load(gate[i + j]), u[j] = Elem<T>::load(up[i + j]);
+    const __m512 x = _mm512_loadu_ps(g);
+    // sigmoid from e = exp(-|x|) <= 1: 1 / (1 + e) for x >= 0, e / (1 + e) below
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), _mm512_add_ps(one, e));
+    float s[16];
+    _mm512_storeu_ps(s, _mm512_mul_ps(x, sigmoid));
+    for (int j = 0; j < 16; ++j) out[i + j] = Elem<T>::store(Elem<T>::round(s[j]) * u[j]);
+  }
+#endif
+  for (; i < count; ++i) {
+    const float x = Elem<T>::load(gate[i]);
+    out[i] = Elem<T>::store(Elem<T>::round(x / (1.0f + std::exp(-x))) * Elem<T>::load(up[i]));
+  }
+}
+
+constexpr int64_t kActivationSpan = 256;  // elements of one row per silu_mul work item
+
+template <typename T>
+void decode_step(const ModelWeights& mw, const StepInputs& in) {
+  using E = Elem<T>;
+  const int64_t m = in.num_rows, hidden = mw.hidden, dim = mw.head_dim, inter = mw.intermediate;
+  const int64_t q_size = mw.num_heads * dim, kv_size = mw.num_kv_heads * dim, qkv_size = q_size + 2 * kv_size;
+  std::vector<T> residual(m * hidden), x(m * hidden), qkv(m * qkv_size), attn(m * q_size), o(m * hidden),
+      gate_up(m * 2 * inter), act(m * inter), down(m * hidden);
+  std::vector<float> attn_f32(m * q_size);
+  std::vector<typename E::Packed> packed(m * (std::max({hidden, q_size, inter}) + 1));
+
+  // Each layer's attention problem and its cut into work items (sliding windows differ per layer).
+  const int num_threads = omp_get_max_threads();
+  std::vector<Problem> problems;
+  std::vector<Plan> plans;
+  int64_t num_partials = 0;
+  for (int64_t l = 0; l < mw.num_layers; ++l) {
+    const LayerWeights& lw = mw.layers[l];
+    problems.push_back(Problem{qkv.data(), lw.k_cache, lw.v_cache, in.block_tables, in.seq_lens, attn_f32.data(), m,
+                               mw.num_heads, mw.num_kv_heads, dim, mw.block_size, qkv_size, dim, in.table_stride,
+                               lw.window, mw.scale});
+    plans.push_back(plan_chunks(problems.back(), in.min_chunk_tokens, num_threads));
+    if (plans.back().split) num_partials = std::max(num_partials, plans.back().num_items(problems.back()));
+  }
+  std::unique_ptr<Partial[]> partials(num_partials ? new Partial[num_partials] : nullptr);
+  const T* embed = static_cast<const T*>(mw.embed);
+  const T* cos = static_cast<const T*>(mw.cos);
+  const T* sin = static_cast<const T*>(mw.sin);
+  T* out = static_cast<T*>(in.out);
+
+  // residual += addend (none on the first layer: the embeddings), then x = norm(residual)
+  auto add_and_norm = [&](const T* addend, const void* weight, T* normed) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      T* row = residual.data() + r * hidden;
+      if (addend == nullptr) {
+        std::memcpy(row, embed + in.token_ids[r] * hidden, hidden * sizeof(T));
+      } else {
+        for (int64_t i = 0; i < hidden; ++i)
+          row[i] = E::store(E::load(row[i]) + E::load(addend[r * hidden + i]));
+      }
+      rms_norm_row(row, static_cast<const T*>(weight), hidden, mw.eps, normed + r * hidden);
+    }
+  };
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    for (int64_t l = 0; l < mw.num_layers; ++l) {
+      const LayerWeights& lw = mw.layers[l];
+      add_and_norm(l == 0 ? nullptr : down.data(), lw.input_norm, x.data());
+      linear(x.data(), m, hidden, lw.qkv, lw.qkv_bias, qkv_size, qkv.data(), packed.data());
+
+      // Rotary on the q and k heads, then the new token's K and V into the pools.
+      const int64_t heads_per_row = mw.num_heads + 2 * mw.num_kv_heads;
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < m * heads_per_row; ++item) {
+        const int64_t r = item / heads_per_row, h = item % heads_per_row;
+        T* head = qkv.data() + r * qkv_size + h * dim;
+        if (h < mw.num_heads + mw.num_kv_heads)
+          rotate_head(head, cos + in.positions[r] * dim, sin + in.positions[r] * dim, dim);
+        if (h >= mw.num_heads) {
+          const int64_t kv_head = (h - mw.num_heads) % mw.num_kv_heads;
+          T* pool = static_cast<T*>(h < mw.num_heads + mw.num_kv_heads ? lw.k_cache : lw.v_cache);
+          std::memcpy(pool + in.slot_mapping[r] * kv_size + kv_head * dim, head, dim * sizeof(T));
+        }
+      }
+
+      attend<E::kDtype>(problems[l], plans[l], partials.get());
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < m * q_size; ++i) attn[i] = E::store(attn_f32[i]);
+      linear(attn.data(), m, q_size, lw.o, lw.o_bias, hidden, o.data(), packed.data());
+
+      add_and_norm(o.data(), lw.post_norm, x.data());
+      linear(x.data(), m, hidden, lw.gate_up, lw.gate_up_bias, 2 * inter, gate_up.data(), packed.data());
+      const int64_t spans = (inter + kActivationSpan - 1) / kActivationSpan;
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < m * spans; ++item) {
+        const int64_t r = item / spans, first = item % spans * kActivationSpan;
+        const T* row = gate_up.data() + r * 2 * inter;
+        silu_mul(row + first, row + inter + first, act.data() + r * inter + first,
+                 std::min(kActivationSpan, inter - first));
+      }
+      linear(act.data(), m, inter, lw.down, lw.down_bias, hidden, down.data(), packed.data());
+    }
+    add_and_norm(down.data(), mw.final_norm, out);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16 (the weights', the pools' and `out`'s).
+void strata_decode_step(int32_t dtype, const ModelWeights* weights, const StepInputs* inputs) {
+  if (dtype == kFloat32)
+    decode_step<float>(*weights, *inputs);
+  else
+    decode_step<uint16_t>(*weights, *inputs);
+}
+
+}  // extern "C"

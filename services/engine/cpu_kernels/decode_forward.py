@@ -1,0 +1,133 @@
+"""A whole decode step of the Llama family in one native call (``decode_forward.cpp``).
+
+At batch 1 a decode step is about 40 projections of tens of microseconds each with norms, rotary and
+the activation between them; called one by one from Python (or from a compiled graph's wrapper), each
+pays its dispatch and an OpenMP region whose threads may have gone to sleep, which cost more than the
+arithmetic. ``DecodeStep`` hands the C++ side the model's tensors once (pointers to the weights blocked
+by ``linear.block_weight``, the norms, the rotary tables and the K/V pools), and each step then runs
+every layer in one parallel region with barriers between the phases.
+
+It serves steps where every request decodes one token, float32 or bfloat16, on the CPU; the model
+runner keeps the torch forward for everything else. Every intermediate is rounded where the torch
+forward rounds it, so the two agree to float32 summation order (tested against it and against HF).
+"""
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from services.engine.cpu_kernels import paged_decode
+from services.engine.cpu_kernels.build import load_library
+
+log = logging.getLogger(__name__)
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("qkv", _ptr), ("qkv_bias", _ptr), ("o", _ptr), ("o_bias", _ptr),
+                ("post_norm", _ptr), ("gate_up", _ptr), ("gate_up_bias", _ptr), ("down", _ptr),
+                ("down_bias", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64)]
+
+
+class _ModelWeights(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("embed", _ptr), ("final_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
+                ("layers", ctypes.POINTER(_LayerWeights))]
+
+
+class _StepInputs(ctypes.Structure):
+    _fields_ = [("num_rows", _i64), ("token_ids", _ptr), ("positions", _ptr), ("slot_mapping", _ptr),
+                ("block_tables", _ptr), ("seq_lens", _ptr), ("table_stride", _i64), ("min_chunk_tokens", _i64),
+                ("out", _ptr)]
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr | None:
+    library = load_library("decode_forward.cpp")
+    if library is None:
+        return None
+    kernel = library.strata_decode_step
+    kernel.argtypes = [ctypes.c_int32, ctypes.POINTER(_ModelWeights), ctypes.POINTER(_StepInputs)]
+    kernel.restype = None
+    return kernel
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def unsupported_reason(model, kv_caches: list, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why ``DecodeStep`` cannot serve this model here, or None when it can."""
+    mc = model.config
+    if device.type != "cpu" or dtype not in _DTYPE_CODES:
+        return f"it runs float32 and bfloat16 on the CPU, not {dtype} on {device.type}"
+    if _kernel() is None:
+        return "the native kernels are not built here"
+    if not paged_decode.can_run(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype) or mc.head_dim % 2:
+        return f"its attention kernel does not take {mc.num_heads} heads over {mc.num_kv_heads} of dim {mc.head_dim}"
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if getattr(linear, "blocked", None) is None:
+                return "the projections are not blocked for the native linear kernel"
+    if any(pool.dtype != dtype or not pool.is_contiguous() for pools in kv_caches for pool in pools):
+        return "the K/V pools are not contiguous pools of the model's dtype"
+    return None
+
+
+class DecodeStep:
+    """``step(input_ids, positions, slot_mapping, block_tables, seq_lens) -> [M, H]``: the final-norm
+    hidden state of ``M`` requests decoding one token each, their K/V stored at ``slot_mapping``. Holds
+    pointers into ``model`` and ``kv_caches``, which must stay as they are while it lives."""
+
+    def __init__(self, model, kv_caches: list, scale: float,
+                 min_chunk_tokens: int = paged_decode.MIN_CHUNK_TOKENS) -> None:
+        mc = model.config
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.hidden_size = mc.hidden_size
+        self.min_chunk_tokens = min_chunk_tokens
+        self._kernel = _kernel()
+        layers = model.model.layers
+        self._layers = (_LayerWeights * len(layers))()
+        for slot, layer, (k_cache, v_cache) in zip(self._layers, layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                setattr(slot, name, linear.blocked.data_ptr())
+                setattr(slot, f"{name}_bias", _pointer(linear.bias))
+            slot.input_norm = layer.input_layernorm.weight.data_ptr()
+            slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            slot.k_cache, slot.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            slot.window = attn.sliding_window or 0
+        rotary = model.model.rotary
+        self._weights = _ModelWeights(
+            num_layers=len(layers), hidden=mc.hidden_size, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, intermediate=mc.intermediate_size, block_size=kv_caches[0][0].shape[1],
+            eps=model.model.norm.eps, scale=scale, embed=model.model.embed_tokens.weight.data_ptr(),
+            final_norm=model.model.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
+            layers=self._layers)
+        self._keep = (model, kv_caches)  # the tensors the pointers point into
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        num_rows = input_ids.shape[0]
+        for name, tensor in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping),
+                             ("seq_lens", seq_lens)):
+            if tensor.dtype != torch.int64 or tensor.shape != (num_rows,) or not tensor.is_contiguous():
+                raise ValueError(f"DecodeStep: {name} must be a contiguous int64 [{num_rows}], "
+                                 f"got {tensor.dtype} {tuple(tensor.shape)}")
+        if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != num_rows \
+                or block_tables.stride(1) != 1:
+            raise ValueError(f"DecodeStep: block_tables must be int64 [{num_rows}, blocks] with unit column stride, "
+                             f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+        out = torch.empty(num_rows, self.hidden_size, dtype=self.dtype)
+        if num_rows:
+            inputs = _StepInputs(num_rows, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
+                                 block_tables.data_ptr(), seq_lens.data_ptr(), block_tables.stride(0),
+                                 self.min_chunk_tokens, out.data_ptr())
+            self._kernel(_DTYPE_CODES[self.dtype], ctypes.byref(self._weights), ctypes.byref(inputs))
+        return out

@@ -1,0 +1,197 @@
+// The blocked-weight panel kernels behind linear.cpp and decode_forward.cpp (see linear.cpp for the
+// layouts): header-only, in an anonymous namespace, so each kernel library gets its own copy.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int kRowsPerPass = 8;
+constexpr int kPrefetchBytes = 1024;  // ahead of the current 64-byte line of the panel stream
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
+
+inline void prefetch(const void* p) {
+#ifdef __AVX512F__
+    _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+#else
+    __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes);
+#endif
+}
+
+// acc[i][o] = sum_k x_pass[k][i] * panel[k][o]; x_pass: [k][MR]
+template <int MR>
+void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel]) {
+#ifdef __AVX512F__
+    __m512 sum[MR];
+    for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; ++kk) {
+        prefetch(panel + kk * kPanel);
+        __m512 w = _mm512_loadu_ps(panel + kk * kPanel);
+        for (int i = 0; i < MR; ++i) sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[kk * MR + i]), w, sum[i]);
+    }
+    for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], sum[i]);
+#else
+    for (int i = 0; i < MR; ++i) std::fill(acc[i], acc[i] + kPanel, 0.0f);
+    for (int64_t kk = 0; kk < k; ++kk) {
+        prefetch(panel + kk * kPanel);
+        for (int i = 0; i < MR; ++i) {
+            float xv = x_pass[kk * MR + i];
+            for (int o = 0; o < kPanel; ++o) acc[i][o] += xv * panel[kk * kPanel + o];
+        }
+    }
+#endif
+}
+
+// The bfloat16 elements of x, as the kernel reads them: bf16 where the CPU multiplies bf16 pairs
+// natively, float32 elsewhere.
+#ifdef __AVX512BF16__
+using XElement = uint16_t;
+inline XElement x_element(uint16_t h) { return h; }
+#else
+using XElement = float;
+inline XElement x_element(uint16_t h) { return bf16_to_f32(h); }
+#endif
+
+// acc[i][o] = sum_k x[i][k] * W[o][k]; x_pass: [K_pairs][MR][2], the panel: [K_pairs][16][2]
+template <int MR>
+void panel_bf16(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
+#if defined(__AVX512BF16__)
+    __m512 sum[MR];
+    for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < k_pairs; ++kp) {
+        prefetch(panel + kp * 2 * kPanel);
+        __m512bh w = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel);
+        for (int i = 0; i < MR; ++i) {
+            int32_t pair;
+            std::memcpy(&pair, x_pass + (kp * MR + i) * 2, 4);
+            sum[i] = _mm512_dpbf16_ps(sum[i], (__m512bh)_mm512_set1_epi32(pair), w);
+        }
+    }
+    for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], sum[i]);
+#elif defined(__AVX512F__)
+    __m512 sum[MR];
+    for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_ps();
+    const __m512i high_half = _mm512_set1_epi32(int32_t(0xffff0000u));
+    for (int64_t kp = 0; kp < k_pairs; ++kp) {
+        prefetch(panel + kp * 2 * kPanel);
+        __m512i w = _mm512_loadu_si512(panel + kp * 2 * kPanel);
+        __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(w, high_half));
+        for (int i = 0; i < MR; ++i) {
+            sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[(kp * MR + i) * 2]), w_even, sum[i]);
+            sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[(kp * MR + i) * 2 + 1]), w_odd, sum[i]);
+        }
+    }
+    for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], sum[i]);
+#else
+    for (int i = 0; i < MR; ++i) std::fill(acc[i], acc[i] + kPanel, 0.0f);
+    for (int64_t kp = 0; kp < k_pairs; ++kp) {
+        const uint16_t* w = panel + kp * 2 * kPanel;
+        prefetch(w);
+        for (int i = 0; i < MR; ++i) {
+            float x_even = x_pass[(kp * MR + i) * 2], x_odd = x_pass[(kp * MR + i) * 2 + 1];
+            for (int o = 0; o < kPanel; ++o)
+                acc[i][o] += x_even * bf16_to_f32(w[2 * o]) + x_odd * bf16_to_f32(w[2 * o + 1]);
+        }
+    }
+#endif
+}
+
+// Runs `panel_kernel<MR>` for a pass of `rows` (1..kRowsPerPass) rows.
+template <template <int> class PanelKernel, typename... Args>
+void dispatch_rows(int rows, Args... args) {
+    switch (rows) {
+        case 1: PanelKernel<1>::run(args...); break;
+        case 2: PanelKernel<2>::run(args...); break;
+        case 3: PanelKernel<3>::run(args...); break;
+        case 4: PanelKernel<4>::run(args...); break;
+        case 5: PanelKernel<5>::run(args...); break;
+        case 6: PanelKernel<6>::run(args...); break;
+        case 7: PanelKernel<7>::run(args...); break;
+        default: PanelKernel<8>::run(args...); break;
+    }
+}
+
+template <int MR>
+struct PanelF32 {
+    static void run(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel]) {
+        panel_f32<MR>(x_pass, panel, k, acc);
+    }
+};
+
+template <int MR>
+struct PanelBF16 {
+    static void run(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
+        panel_bf16<MR>(x_pass, panel, k_pairs, acc);
+    }
+};
+
+// x [m, k] (row stride x_stride) packed for the panel kernels: pass p holds rows p*R .. p*R + rows - 1
+// (R = kRowsPerPass) as [k_steps][rows][group], `group` consecutive elements of K per step (1 for
+// float32, a pair for bfloat16), zero-padded past k.
+// `packed` holds m * k_steps * group elements.
+template <typename XT, typename From, typename Convert>
+void pack_x_into(XT* packed, const From* x, int64_t m, int64_t x_stride, int64_t k, int64_t k_steps, int group,
+                 Convert convert) {
+    std::fill(packed, packed + m * k_steps * group, convert(From(0)));
+    for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
+        const int64_t rows = std::min<int64_t>(kRowsPerPass, m - r0);
+        XT* pass = packed + r0 * k_steps * group;
+        for (int64_t i = 0; i < rows; ++i)
+            for (int64_t kk = 0; kk < k; ++kk)
+                pass[((kk / group) * rows + i) * group + kk % group] = convert(x[(r0 + i) * x_stride + kk]);
+    }
+}
+
+template <typename XT, typename From, typename Convert>
+std::vector<XT> pack_x(const From* x, int64_t m, int64_t x_stride, int64_t k, int64_t k_steps, int group,
+                       Convert convert) {
+    std::vector<XT> packed(m * k_steps * group);
+    pack_x_into(packed.data(), x, m, x_stride, k, k_steps, group, convert);
+    return packed;
+}
+
+// For every panel (split over the threads of the enclosing parallel region, with a barrier at the end;
+// serial outside one) and every pass of rows: accumulate, then hand each row's accumulators and the
+// panel's first output column to `store(row, first_out, acc_row, num_outs)`.
+template <template <int> class PanelKernel, typename XT, typename WT, typename Store>
+void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* blocked, int64_t panel_elems,
+                int64_t k_steps, int64_t n, Store store) {
+    const int64_t num_panels = (n + kPanel - 1) / kPanel;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < num_panels; ++p) {
+        alignas(64) float acc[kRowsPerPass][kPanel];
+        const int64_t first_out = p * kPanel;
+        const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
+        for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
+            const int rows = int(std::min<int64_t>(kRowsPerPass, m - r0));
+            dispatch_rows<PanelKernel>(rows, x_packed + r0 * x_pass_stride, blocked + p * panel_elems, k_steps, acc);
+            for (int i = 0; i < rows; ++i) store(r0 + i, first_out, acc[i], num_outs);
+        }
+    }
+}
+
+}  // namespace

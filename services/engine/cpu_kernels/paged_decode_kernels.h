@@ -1,0 +1,400 @@
+// The paged decode attention kernels behind paged_decode.cpp and decode_forward.cpp (see
+// paged_decode.cpp): header-only, in an anonymous namespace, so each kernel library gets its own copy.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define STRATA_AVX512 1
+#endif
+
+namespace {
+
+enum Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+constexpr int64_t kMaxTile = 32;        // tokens scored before one softmax rescale
+constexpr int64_t kTileBytes = 4096;    // ... fewer for long rows: what one tile reads of K (as of V)
+constexpr int64_t kMaxGroup = 16;      // query heads per kv head
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kItemsPerThread = 4;  // work items per thread the context split aims at
+
+struct Problem {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  float* out;  // [num_reqs, num_heads, head_dim], contiguous
+  int64_t num_reqs, num_heads, num_kv_heads, head_dim, block_size;
+  int64_t q_stride_req, q_stride_head, table_stride;
+  int64_t window;  // 0: whole context
+  float scale;
+};
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f;
+  const uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    const float magnitude = std::ldexp(float(mantissa), -24);
+    std::memcpy(&bits, &magnitude, 4);
+    bits |= sign;
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <int Dt>
+constexpr int64_t element_size() { return Dt == kFloat32 ? 4 : 2; }
+
+inline void prefetch(const char* address) { __builtin_prefetch(address, 0, 2); }
+
+template <int Dt>
+inline float to_float(const void* p, int64_t i);
+template <>
+inline float to_float<kFloat32>(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+template <>
+inline float to_float<kBFloat16>(const void* p, int64_t i) {
+  const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+template <>
+inline float to_float<kFloat16>(const void* p, int64_t i) { return half_to_float(static_cast<const uint16_t*>(p)[i]); }
+
+#ifdef STRATA_AVX512
+// The first n of 16 lanes (all of them for n >= 16).
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// 16 elements from p + i (only the lanes in mask) as float32.
+template <int Dt>
+inline __m512 load16(const void* p, int64_t i, __mmask16 mask) {
+  if constexpr (Dt == kFloat32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+  } else {
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
+    if constexpr (Dt == kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    } else {
+      return _mm512_cvtph_ps(raw);
+    }
+  }
+}
+
+// e^x for x <= 0 (scores minus their running max): 2^n * poly(r), r = x - n ln2 in [-ln2/2, ln2/2].
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 poly = _mm512_set1_ps(1.0f / 5040);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 720));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(poly, n);
+}
+#endif
+
+// Running softmax state of one work item: per query head of the group, the max score, the sum of
+// e^(score - max) and the unnormalised weighted sum of V rows.
+struct Partial {
+  float max[kMaxGroup];
+  float sum[kMaxGroup];
+  alignas(64) float acc[kMaxGroup * kMaxHeadDim];  // row g at g * kMaxHeadDim, zero past head_dim
+};
+
+// The query rows of one group, zero past head_dim: in float32, and as raw bfloat16 for dot products
+// straight on bfloat16 keys.
+struct Query {
+  alignas(64) float f32[kMaxGroup][kMaxHeadDim];
+  alignas(64) uint16_t bf16[kMaxGroup][kMaxHeadDim];
+};
+
+using Scores = float[kMaxGroup][kMaxTile];
+
+// score[g0 + s][t] = scale * q_(g0 + s) . k_t for the Sub query heads from g0 and the tile's tokens.
+template <int Dt, int Sub>
+void score_tile(const Problem& p, const Query& q, int64_t g0, const int64_t* row, int64_t count, Scores& score) {
+  const int64_t dim = p.head_dim;
+  for (int64_t t = 0; t < count; ++t) {
+#ifdef STRATA_AVX512
+    __m512 dot[Sub];
+    for (int s = 0; s < Sub; ++s) dot[s] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+    if constexpr (Dt == kBFloat16) {  // 32 products a step, on the raw bfloat16 pairs
+      for (int64_t d = 0; d < dim; d += 32) {
+        const __mmask32 mask = dim - d >= 32 ? ~__mmask32(0) : (__mmask32(1) << (dim - d)) - 1;
+        const auto* k_row = static_cast<const uint16_t*>(p.k_cache) + row[t];
+        const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi16(mask, k_row + d);
+        for (int s = 0; s < Sub; ++s)
+          dot[s] = _mm512_dpbf16_ps(dot[s], (__m512bh)_mm512_load_si512(q.bf16[g0 + s] + d), k);
+      }
+    } else
+#endif
+    {
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 k = load16<Dt>(p.k_cache, row[t] + d, lanes(dim - d));
+        for (int s = 0; s < Sub; ++s) dot[s] = _mm512_fmadd_ps(_mm512_load_ps(q.f32[g0 + s] + d), k, dot[s]);
+      }
+    }
+    for (int s = 0; s < Sub; ++s) score[g0 + s][t] = _mm512_reduce_add_ps(dot[s]) * p.scale;
+#else
+    for (int s = 0; s < Sub; ++s) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) dot += q.f32[g0 + s][d] * to_float<Dt>(p.k_cache, row[t] + d);
+      score[g0 + s][t] = dot * p.scale;
+    }
+#endif
+  }
+}
+
+// acc_(g0 + s) += sum_t weight[g0 + s][t] * v_t, each 16 lanes of the Sub accumulators held in registers
+// over the tile (split in independent sums when Sub is small, to hide the FMA latency).
+template <int Dt, int Sub>
+void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t count, const Scores& weight,
+                     float* acc) {
+  const int64_t dim = p.head_dim;
+  for (int64_t d = 0; d < dim; d += 16) {
+#ifdef STRATA_AVX512
+    constexpr int kSets = Sub >= 4 ? 1 : 4 / Sub;
+    const __mmask16 mask = lanes(dim - d);
+    __m512 sums[kSets][Sub];
+    for (int u = 0; u < kSets; ++u)
+      for (int s = 0; s < Sub; ++s)
+        sums[u][s] = u == 0 ? _mm512_load_ps(acc + (g0 + s) * kMaxHeadDim + d) : _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + kSets <= count; t += kSets)
+      for (int u = 0; u < kSets; ++u) {
+        const __m512 v = load16<Dt>(p.v_cache, row[t + u] + d, mask);
+        for (int s = 0; s < Sub; ++s)
+          sums[u][s] = _mm512_fmadd_ps(_mm512_set1_ps(weight[g0 + s][t + u]), v, sums[u][s]);
+      }
+    for (; t < count; ++t) {
+      const __m512 v = load16<Dt>(p.v_cache, row[t] + d, mask);
+      for (int s = 0; s < Sub; ++s) sums[0][s] = _mm512_fmadd_ps(_mm512_set1_ps(weight[g0 + s][t]), v, sums[0][s]);
+    }
+    for (int s = 0; s < Sub; ++s) {
+      for (int u = 1; u < kSets; ++u) sums[0][s] = _mm512_add_ps(sums[0][s], sums[u][s]);
+      _mm512_store_ps(acc + (g0 + s) * kMaxHeadDim + d, sums[0][s]);
+    }
+#else
+    const int64_t width = std::min<int64_t>(16, dim - d);
+    for (int s = 0; s < Sub; ++s)
+      for (int64_t t = 0; t < count; ++t)
+        for (int64_t i = 0; i < width; ++i)
+          acc[(g0 + s) * kMaxHeadDim + d + i] += weight[g0 + s][t] * to_float<Dt>(p.v_cache, row[t] + d + i);
+#endif
+  }
+}
+
+// Both tile passes over the group, in sub-groups of 8, 4, 2 and 1 heads (their K/V rows are in cache
+// after the first).
+template <int Dt>
+void score_group(const Problem& p, const Query& q, int64_t group, const int64_t* row, int64_t count, Scores& score) {
+  for (int64_t g0 = 0; g0 < group;) {
+    const int64_t left = group - g0;
+    if (left >= 8) { score_tile<Dt, 8>(p, q, g0, row, count, score); g0 += 8; }
+    else if (left >= 4) { score_tile<Dt, 4>(p, q, g0, row, count, score); g0 += 4; }
+    else if (left >= 2) { score_tile<Dt, 2>(p, q, g0, row, count, score); g0 += 2; }
+    else { score_tile<Dt, 1>(p, q, g0, row, count, score); g0 += 1; }
+  }
+}
+
+template <int Dt>
+void accumulate_group(const Problem& p, int64_t group, const int64_t* row, int64_t count, const Scores& weight,
+                      float* acc) {
+  for (int64_t g0 = 0; g0 < group;) {
+    const int64_t left = group - g0;
+    if (left >= 8) { accumulate_tile<Dt, 8>(p, g0, row, count, weight, acc); g0 += 8; }
+    else if (left >= 4) { accumulate_tile<Dt, 4>(p, g0, row, count, weight, acc); g0 += 4; }
+    else if (left >= 2) { accumulate_tile<Dt, 2>(p, g0, row, count, weight, acc); g0 += 2; }
+    else { accumulate_tile<Dt, 1>(p, g0, row, count, weight, acc); g0 += 1; }
+  }
+}
+
+// Online softmax over one tile: rescale what came before to the new max, turn the scores into weights.
+void softmax_tile(int64_t group, int64_t dim, int64_t count, Scores& score, Partial& part) {
+  for (int64_t g = 0; g < group; ++g) {
+    float tile_max = score[g][0];
+    for (int64_t t = 1; t < count; ++t) tile_max = std::max(tile_max, score[g][t]);
+    const float new_max = std::max(part.max[g], tile_max);
+    const float rescale = std::exp(part.max[g] - new_max);
+    part.max[g] = new_max;
+    float tile_sum = 0.0f;
+#ifdef STRATA_AVX512
+    for (int64_t t = 0; t < count; t += 16) {
+      const __mmask16 mask = lanes(count - t);
+      const __m512 s = _mm512_maskz_loadu_ps(mask, score[g] + t);
+      const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_mask_storeu_ps(score[g] + t, mask, w);
+      tile_sum += _mm512_reduce_add_ps(w);
+    }
+#else
+    for (int64_t t = 0; t < count; ++t) {
+      score[g][t] = std::exp(score[g][t] - new_max);
+      tile_sum += score[g][t];
+    }
+#endif
+    part.sum[g] = part.sum[g] * rescale + tile_sum;
+    if (rescale != 1.0f)
+      for (int64_t d = 0; d < dim; ++d) part.acc[g * kMaxHeadDim + d] *= rescale;
+  }
+}
+
+// Attend the query heads of (req, kv_head) over context positions [lo, hi).
+template <int Dt>
+void attend_chunk(const Problem& p, int64_t req, int64_t kv_head, int64_t lo, int64_t hi, Partial& part) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t dim = p.head_dim;
+  const int64_t row_bytes = dim * element_size<Dt>();
+  const int64_t row_stride = p.num_kv_heads * dim;  // elements between consecutive tokens
+  const int64_t* table = p.block_tables + req * p.table_stride;
+  const int64_t tile = std::clamp<int64_t>(kTileBytes / row_bytes, 8, kMaxTile);
+
+  alignas(64) Query q;
+  const int64_t padded_dim = (dim + 31) / 32 * 32;  // what the dot products read
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t base = req * p.q_stride_req + (kv_head * group + g) * p.q_stride_head;
+    for (int64_t d = 0; d < padded_dim; ++d) q.f32[g][d] = d < dim ? to_float<Dt>(p.q, base + d) : 0.0f;
+    const uint16_t* raw = static_cast<const uint16_t*>(p.q) + base;  // read only when q is bfloat16
+    for (int64_t d = 0; d < padded_dim; ++d) q.bf16[g][d] = Dt == kBFloat16 && d < dim ? raw[d] : 0;
+    part.max[g] = -INFINITY;
+    part.sum[g] = 0.0f;
+  }
+  std::fill(part.acc, part.acc + group * kMaxHeadDim, 0.0f);
+
+  // Element offsets of the rows (K and V share them) of the tile's tokens and of the next tile's.
+  auto find_rows = [&](int64_t start, int64_t* rows) {
+    for (int64_t t = 0; t < std::min(tile, hi - start); ++t) {
+      const int64_t pos = start + t;
+      rows[t] = (table[pos / p.block_size] * p.block_size + pos % p.block_size) * row_stride + kv_head * dim;
+    }
+  };
+  int64_t rows_a[kMaxTile], rows_b[kMaxTile];
+  int64_t *row = rows_a, *next_row = rows_b;
+  find_rows(lo, row);
+  alignas(64) Scores score;
+  for (int64_t start = lo; start < hi; start += tile) {
+    const int64_t count = std::min(tile, hi - start);
+    // Blocks are scattered over the pool: ask for the next tile's K rows and this tile's V rows early.
+    const int64_t next_count = std::min(tile, hi - start - tile);
+    if (next_count > 0) find_rows(start + tile, next_row);
+    for (int64_t t = 0; t < std::max(count, next_count); ++t)
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        if (t < next_count) prefetch(static_cast<const char*>(p.k_cache) + next_row[t] * element_size<Dt>() + line);
+        if (t < count) prefetch(static_cast<const char*>(p.v_cache) + row[t] * element_size<Dt>() + line);
+      }
+    score_group<Dt>(p, q, group, row, count, score);
+    softmax_tile(group, dim, count, score, part);
+    accumulate_group<Dt>(p, group, row, count, score, part.acc);
+    std::swap(row, next_row);
+  }
+}
+
+void write_output(const Problem& p, int64_t req, int64_t kv_head, const Partial& part) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  for (int64_t g = 0; g < group; ++g) {
+    float* out = p.out + (req * p.num_heads + kv_head * group + g) * p.head_dim;
+    const float inverse = part.sum[g] > 0.0f ? 1.0f / part.sum[g] : 0.0f;
+    for (int64_t d = 0; d < p.head_dim; ++d) out[d] = part.acc[g * kMaxHeadDim + d] * inverse;
+  }
+}
+
+// Fold the partials of one (request, kv_head)'s chunks into one.
+void merge(const Problem& p, const Partial* chunks, int64_t num_chunks, Partial& merged) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  for (int64_t g = 0; g < group; ++g) {
+    float max = -INFINITY;
+    for (int64_t c = 0; c < num_chunks; ++c) max = std::max(max, chunks[c].max[g]);
+    merged.max[g] = max;
+    merged.sum[g] = 0.0f;
+    float* acc = merged.acc + g * kMaxHeadDim;
+    std::fill(acc, acc + kMaxHeadDim, 0.0f);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const float weight = std::exp(chunks[c].max[g] - max);
+      merged.sum[g] += chunks[c].sum[g] * weight;
+      const float* part = chunks[c].acc + g * kMaxHeadDim;
+      for (int64_t d = 0; d < p.head_dim; ++d) acc[d] += part[d] * weight;
+    }
+  }
+}
+
+// How one step's work is cut: each request's visible span [first, seq_len) in chunks of chunk_tokens,
+// short enough that every thread gets about kItemsPerThread items, never shorter than min_chunk_tokens;
+// a work item is (chunk, kv_head). Chunks of a split request leave partials for a merge pass.
+struct Plan {
+  std::vector<int64_t> first, chunk_start;
+  int64_t chunk_tokens = 0, num_chunks = 0;
+  bool split = false;
+  int64_t num_items(const Problem& p) const { return num_chunks * p.num_kv_heads; }
+};
+
+Plan plan_chunks(const Problem& p, int64_t min_chunk_tokens, int64_t num_threads) {
+  Plan plan;
+  plan.first.resize(p.num_reqs);
+  plan.chunk_start.assign(p.num_reqs + 1, 0);
+  int64_t total_span = 0;
+  for (int64_t r = 0; r < p.num_reqs; ++r) {
+    plan.first[r] = p.window > 0 ? std::max<int64_t>(0, p.seq_lens[r] - p.window) : 0;
+    total_span += p.seq_lens[r] - plan.first[r];
+  }
+  const int64_t target_items = kItemsPerThread * num_threads;
+  plan.chunk_tokens = std::max(min_chunk_tokens, (total_span * p.num_kv_heads + target_items - 1) / target_items);
+  for (int64_t r = 0; r < p.num_reqs; ++r) {
+    const int64_t span = p.seq_lens[r] - plan.first[r];
+    plan.chunk_start[r + 1] = plan.chunk_start[r] + std::max<int64_t>(1, (span + plan.chunk_tokens - 1) / plan.chunk_tokens);
+  }
+  plan.num_chunks = plan.chunk_start[p.num_reqs];
+  plan.split = plan.num_chunks > p.num_reqs;
+  return plan;
+}
+
+// The work items of `plan` split over the threads of the enclosing parallel region (serial outside
+// one), then the merges; ends with a barrier. `partials` holds plan.num_items(p) entries when it splits.
+template <int Dt>
+void attend(const Problem& p, const Plan& plan, Partial* partials) {
+  Partial local;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t item = 0; item < plan.num_items(p); ++item) {
+    const int64_t chunk = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
+    const int64_t req =
+        std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), chunk) - plan.chunk_start.begin() - 1;
+    const int64_t lo = plan.first[req] + (chunk - plan.chunk_start[req]) * plan.chunk_tokens;
+    const int64_t hi = std::min(p.seq_lens[req], lo + plan.chunk_tokens);
+    const bool alone = plan.chunk_start[req + 1] - plan.chunk_start[req] == 1;
+    Partial& part = alone ? local : partials[kv_head * plan.num_chunks + chunk];
+    attend_chunk<Dt>(p, req, kv_head, lo, hi, part);
+    if (alone) write_output(p, req, kv_head, part);
+  }
+  if (plan.split) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < p.num_reqs * p.num_kv_heads; ++item) {
+      const int64_t req = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
+      const int64_t count = plan.chunk_start[req + 1] - plan.chunk_start[req];
+      if (count == 1) continue;
+      merge(p, &partials[kv_head * plan.num_chunks + plan.chunk_start[req]], count, local);
+      write_output(p, req, kv_head, local);
+    }
+  }
+}
+
+}  // namespace

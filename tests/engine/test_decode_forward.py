@@ -1,0 +1,93 @@
+"""The native decode step (services/engine/cpu_kernels/decode_forward.py) against the torch forward
+of the same weights: the same hidden states and the same K/V written, for Llama (biases everywhere),
+Qwen2 (q/k/v bias, tied embeddings) and Mistral (sliding window), float32 and bfloat16, batches with
+short and long contexts (split across threads and merged); the runner routes decode-only steps to
+it and everything else to the torch forward."""
+
+import pytest
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.cpu_kernels import decode_forward
+from services.engine.model_runner import ModelRunner
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+from .checkpoints import write_checkpoint
+
+pytestmark = pytest.mark.skipif(decode_forward._kernel() is None, reason="no C++ compiler for the native kernels")
+
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 96
+ARCHS = {
+    "llama": dict(attention_bias=True, mlp_bias=True),
+    "qwen2": dict(tie_word_embeddings=True),
+    "mistral": dict(num_key_value_heads=1, sliding_window=12),
+}
+# float32: the norms' sums in another order; bfloat16: that, one rounding step away now and then
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def checkpoint(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, **ARCHS[request.param])
+
+
+def make_runner(path, dtype: str) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=str(path), dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+                                    enforce_eager=True))
+
+
+def prefill(runners: list[ModelRunner], prompt_lens: list[int]) -> tuple[list[Request], list[list[int]]]:
+    """Requests whose prompts are in every runner's cache, each with one sampled token to decode."""
+    requests, tables = [], []
+    for i, length in enumerate(prompt_lens):
+        prompt = [(7 * i + 3 * j) % 500 + 3 for j in range(length)]
+        requests.append(Request(f"r{i}", prompt, SamplingParams(temperature=0.0)))
+        first = sum(-(-(n + 4) // BLOCK_SIZE) for n in prompt_lens[:i])
+        tables.append(list(range(first, first + -(-(length + 4) // BLOCK_SIZE))))
+    for runner in runners:
+        runner.compute_logits(SchedulerOutput([ScheduledChunk(r, r.num_tokens, t) for r, t in zip(requests, tables)]))
+    for request in requests:
+        request.num_computed_tokens = request.num_tokens
+        request.append_output(5)
+    return requests, tables
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("min_chunk_tokens", [256, 4])  # 4: every context split in chunks, then merged
+def test_native_step_matches_the_torch_forward(checkpoint, dtype, min_chunk_tokens):
+    native, torch_forward = make_runner(checkpoint, dtype), make_runner(checkpoint, dtype)
+    assert native.decode_step is not None
+    native.decode_step.min_chunk_tokens = min_chunk_tokens
+    torch_forward.decode_step = None
+    requests, tables = prefill([native, torch_forward], [1, 7, 30, 150])
+    for _ in range(3):
+        step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests, tables)])
+        (_, logits), (_, expected) = native.compute_logits(step), torch_forward.compute_logits(step)
+        torch.testing.assert_close(logits, expected, **TOLERANCE[native.dtype])
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+        for request in requests:
+            request.num_computed_tokens += 1
+            request.append_output(int(expected[0].argmax()))
+    for (k, v), (k_expected, v_expected) in zip(native.kv_caches, torch_forward.kv_caches, strict=True):
+        torch.testing.assert_close(k, k_expected, **TOLERANCE[native.dtype])
+        torch.testing.assert_close(v, v_expected, **TOLERANCE[native.dtype])
+
+
+def test_only_decode_only_steps_run_natively(checkpoint, monkeypatch):
+    runner = make_runner(checkpoint, "float32")
+    calls = []
+    step = runner.decode_step
+    monkeypatch.setattr(runner, "decode_step", lambda *args: calls.append(args[0].shape[0]) or step(*args))
+    (decoding,), (table,) = prefill([runner], [9])
+    runner.compute_logits(SchedulerOutput([ScheduledChunk(decoding, 1, table)]))
+    assert calls == [1]
+    prompt = Request("p", [3, 4, 5], SamplingParams(temperature=0.0))
+    runner.compute_logits(SchedulerOutput([ScheduledChunk(decoding, 1, table), ScheduledChunk(prompt, 3, [90])]))
+    assert calls == [1]  # a mixed step runs the torch forward
+
+
+def test_unsupported_dtype_keeps_the_torch_forward(checkpoint):
+    assert make_runner(checkpoint, "float16").decode_step is None
