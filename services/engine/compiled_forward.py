@@ -3,7 +3,11 @@ as vLLM captures CUDA graphs for a list of batch sizes.
 
 A step of ``n`` tokens, ``n`` at most the largest bucket, runs the model forward compiled for the
 smallest bucket ``>= n``; the model runner pads the batch up to it with rows that attend only within
-a scratch KV block no request owns, and never samples them. Larger steps (prefills) run eager.
+a scratch KV block no request owns, and never samples them. Larger steps (prefills) run eager. On the
+CPU a decode-only step of at most ``packed_linear.NATIVE_MAX_ROWS`` requests goes to the native decode
+step instead (``cpu_kernels/decode_forward``: the whole model in one call, ~3x faster at batch 1 than
+the graph), so the graphs serve small mixed steps, larger decode batches, and the dtypes and models
+that step does not take.
 
 On the CPU the graph is ``torch.compile`` (inductor's C++ backend) of the whole forward:
 RMSNorm with the residual add, rotary, SiLU·mul and the attention glue fuse into a few loops between

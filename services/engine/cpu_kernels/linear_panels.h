@@ -17,6 +17,8 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int kRowsPerPass = 8;
 constexpr int kPrefetchBytes = 1024;  // ahead of the current 64-byte line of the panel stream
+constexpr int kChains = 4;          // independent sums of a one-row panel (hides the FMA latency)
+constexpr int kPanelsPerGrab = 4;     // panels a thread takes at a time (contiguous, one stream to prefetch)
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = uint32_t(h) << 16;
@@ -45,6 +47,19 @@ inline void prefetch(const void* p) {
 template <int MR>
 void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel]) {
 #ifdef __AVX512F__
+    if constexpr (MR == 1) {  // one row: kChains independent sums, not one chain of FMA latencies
+        __m512 sum[kChains];
+        for (int c = 0; c < kChains; ++c) sum[c] = _mm512_setzero_ps();
+        int64_t kk = 0;
+        for (; kk + kChains <= k; kk += kChains)
+            for (int c = 0; c < kChains; ++c) {
+                prefetch(panel + (kk + c) * kPanel);
+                sum[c] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[kk + c]), _mm512_loadu_ps(panel + (kk + c) * kPanel), sum[c]);
+            }
+        for (; kk < k; ++kk) sum[0] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[kk]), _mm512_loadu_ps(panel + kk * kPanel), sum[0]);
+        _mm512_storeu_ps(acc[0], _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
+        return;
+    }
     __m512 sum[MR];
     for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; ++kk) {
@@ -79,6 +94,23 @@ inline XElement x_element(uint16_t h) { return bf16_to_f32(h); }
 template <int MR>
 void panel_bf16(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
 #if defined(__AVX512BF16__)
+    if constexpr (MR == 1) {  // one row: kChains independent sums, not one chain of dpbf16 latencies
+        __m512 sum[kChains];
+        for (int c = 0; c < kChains; ++c) sum[c] = _mm512_setzero_ps();
+        auto step = [&](int64_t kp, __m512& into) {
+            prefetch(panel + kp * 2 * kPanel);
+            int32_t pair;
+            std::memcpy(&pair, x_pass + kp * 2, 4);
+            into = _mm512_dpbf16_ps(into, (__m512bh)_mm512_set1_epi32(pair),
+                                    (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel));
+        };
+        int64_t kp = 0;
+        for (; kp + kChains <= k_pairs; kp += kChains)
+            for (int c = 0; c < kChains; ++c) step(kp + c, sum[c]);
+        for (; kp < k_pairs; ++kp) step(kp, sum[0]);
+        _mm512_storeu_ps(acc[0], _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
+        return;
+    }
     __m512 sum[MR];
     for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < k_pairs; ++kp) {
@@ -176,12 +208,14 @@ std::vector<XT> pack_x(const From* x, int64_t m, int64_t x_stride, int64_t k, in
 
 // For every panel (split over the threads of the enclosing parallel region, with a barrier at the end;
 // serial outside one) and every pass of rows: accumulate, then hand each row's accumulators and the
-// panel's first output column to `store(row, first_out, acc_row, num_outs)`.
+// panel's first output column to `store(row, first_out, acc_row, num_outs)`. Threads take runs of
+// kPanelsPerGrab panels as they come free rather than a fixed share: when another process takes one
+// thread's core for a while, the others do its panels instead of waiting at the barrier for them.
 template <template <int> class PanelKernel, typename XT, typename WT, typename Store>
 void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* blocked, int64_t panel_elems,
                 int64_t k_steps, int64_t n, Store store) {
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, kPanelsPerGrab)
     for (int64_t p = 0; p < num_panels; ++p) {
         alignas(64) float acc[kRowsPerPass][kPanel];
         const int64_t first_out = p * kPanel;
