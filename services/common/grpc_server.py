@@ -23,8 +23,10 @@ from collections.abc import Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
-from services.common import telemetry
+from services.common import request_id, telemetry
 from services.common.tls import TlsFiles
 from services.common.errors import InvalidRequestError, ResourceExhaustedError, ServiceUnavailableError
 
@@ -77,8 +79,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 class TracingInterceptor(grpc.aio.ServerInterceptor):
     """One SERVER span per RPC (a stream's lasting until it ends), continuing the caller's trace from
     the call's metadata and current while the servicer runs, so a servicer can add attributes to
-    `trace.get_current_span()`. Health and reflection calls are not traced, and the polling RPCs
-    (``Info``, ``Load``: a router's checks every second) only when the caller is inside a trace."""
+    `trace.get_current_span()`; the request id (``x-request-id`` metadata, else a unary request's own
+    ``request_id`` field) is bound for the call (`services.common.request_id`) and set on the span.
+    Health and reflection calls are not traced, and the polling RPCs (``Info``, ``Load``: a router's
+    checks every second) only when the caller is inside a trace."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -95,32 +99,71 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
 POLLING_RPCS = frozenset({"Info", "Load"})
 
 
+def _call_facts(request, context, attributes: dict) -> tuple[dict[str, str], str | None, dict]:
+    """The call's trace carrier, its request id and its span's attributes."""
+    carrier = telemetry.grpc_metadata_carrier(context.invocation_metadata())
+    given = carrier.get(request_id.METADATA_KEY) or getattr(request, "request_id", None) or None
+    if given is None:
+        return carrier, None, attributes
+    return carrier, given, {**attributes, request_id.SPAN_ATTRIBUTE: given}
+
+
 def _traced(behavior, name: str, attributes: dict, only_in_a_trace: bool = False):
     if only_in_a_trace:  # unary; a root span of its own would be noise
 
         async def polled(request, context):
-            carrier = telemetry.grpc_metadata_carrier(context.invocation_metadata())
+            carrier, given_id, span_attributes = _call_facts(request, context, attributes)
             if "traceparent" not in carrier:
                 return await behavior(request, context)
-            with telemetry.server_span(name, carrier, attributes):
-                return await behavior(request, context)
+            with request_id.bound(given_id), telemetry.server_span(name, carrier, span_attributes):
+                return await _aborting_marks_span(behavior(request, context), context)
 
         return polled
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request, context):
-            with telemetry.server_span(name, telemetry.grpc_metadata_carrier(context.invocation_metadata()),
-                                       attributes):
-                async for response in behavior(request, context):
+            carrier, given_id, span_attributes = _call_facts(request, context, attributes)
+            span = telemetry.start_server_span(name, carrier, span_attributes)
+            responses = behavior(request, context)
+            try:
+                while True:
+                    # current for each step only: a context attached across a yield would be detached
+                    # from another task when the stream is closed from outside ("Failed to detach context")
+                    with request_id.bound(given_id), trace.use_span(span, record_exception=False,
+                                                                    set_status_on_exception=False):
+                        try:
+                            response = await _aborting_marks_span(anext(responses), context)
+                        except StopAsyncIteration:
+                            return
                     yield response
+            except BaseException as exc:
+                if not isinstance(exc, GeneratorExit) and not telemetry.is_marked(span):
+                    telemetry.mark_failed(span, exc)
+                raise
+            finally:
+                await responses.aclose()
+                span.end()
 
         return stream
 
     async def call(request, context):
-        with telemetry.server_span(name, telemetry.grpc_metadata_carrier(context.invocation_metadata()), attributes):
-            return await behavior(request, context)
+        carrier, given_id, span_attributes = _call_facts(request, context, attributes)
+        with request_id.bound(given_id), telemetry.server_span(name, carrier, span_attributes):
+            return await _aborting_marks_span(behavior(request, context), context)
 
     return call
+
+
+async def _aborting_marks_span(step, context: grpc.aio.ServicerContext):
+    """Awaits ``step``; a servicer's own ``context.abort`` marks the current span with its status."""
+    try:
+        return await step
+    except grpc.aio.AbortError:
+        span = trace.get_current_span()
+        if not telemetry.is_marked(span):
+            code = context.code()
+            span.set_status(Status(StatusCode.ERROR, f"{getattr(code, 'name', code)}: {context.details()}"))
+        raise
 
 
 def _mapped(behavior, method: str):
@@ -150,7 +193,10 @@ def _mapped(behavior, method: str):
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """Ends the call with the status ``exc`` maps to; the exception is recorded on the call's span
+    (current here: the tracing interceptor is the outer one)."""
     code, message = status_for(exc)
+    telemetry.mark_failed(trace.get_current_span(), exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("%s failed", method, exc_info=exc)
     await context.abort(code, message)
@@ -167,8 +213,8 @@ class GrpcServer:
     def __init__(self, service_names: Iterable[str], *, grace_s: float = 5.0, options: Iterable = ()) -> None:
         self.service_names = tuple(service_names)
         self.grace_s = grace_s
-        # the error mapping is outermost, so spans see the servicer's own exceptions
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), TracingInterceptor()],
+        # tracing is outermost, so the error mapping runs (and logs) inside the call's span and request id
+        self.server = grpc.aio.server(interceptors=[TracingInterceptor(), ErrorMappingInterceptor()],
                                       options=list(options))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)

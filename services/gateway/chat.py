@@ -23,6 +23,7 @@ router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
 class ChatRenderer:
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
+    operation_name = "chat"
 
     def __init__(self, upstream: Upstream, with_logprobs: bool, parses_tool_calls: bool = False) -> None:
         self._upstream = upstream

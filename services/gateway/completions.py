@@ -20,6 +20,7 @@ router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
 class CompletionRenderer:
     chunk_object = "text_completion"
     response_object = "text_completion"
+    operation_name = "text_completion"
 
     def __init__(self, upstream: Upstream, with_logprobs: bool, echo_texts: list[str] | None,
                  n: int) -> None:

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
 from services.common.pb import engine_pb2, tokenizer_pb2
-from services.gateway import errors
+from services.gateway import errors, genai_span
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.upstream import Upstream
 from services.gateway.validation import GenerationParams
@@ -159,6 +160,8 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
                         cached_tokens=output.usage.cached_prompt_tokens)
             if match.stop is not None:
                 step.finish_reason, step.stop_reason = "stop", match.stop
+                trace.get_current_span().add_event(genai_span.STAGE_STOP_STRING, {
+                    "gen_ai.choice.index": spec.index, "strata.stop_string": match.stop})
                 yield step
                 return
             if finish is not None:

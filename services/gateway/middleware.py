@@ -1,5 +1,6 @@
 """HTTP plumbing around every route, as pure ASGI middleware (they never buffer a stream):
-``x-request-id`` on every response, the request's root trace span, API-key auth on ``/v1``, the
+``x-request-id`` on every response, the request's root trace span (and its ``traceresponse``
+header), API-key auth on ``/v1``, the
 request-body size limit, error counting, and the boundary that turns any exception into a JSON
 answer without dropping the connection."""
 
@@ -11,6 +12,7 @@ import uuid
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common import request_id as request_ids
 from services.common import telemetry
 from services.gateway import errors
 
@@ -43,7 +45,8 @@ async def _no_receive() -> Message:
 
 class RequestIdMiddleware:
     """Echoes the client's ``x-request-id`` or makes one; handlers read it as
-    ``request.state.request_id``."""
+    ``request.state.request_id``, and it is the current request id (`services.common.request_id`)
+    while the request is served: on its log lines, its spans, and its gRPC calls' metadata."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -61,7 +64,8 @@ class RequestIdMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        with request_ids.bound(request_id):
+            await self.app(scope, receive, send_with_id)
 
 
 class ApiKeyMiddleware:
@@ -178,9 +182,10 @@ class ErrorBoundaryMiddleware:
 class TracingMiddleware:
     """The root span of each HTTP request (continuing a client's ``traceparent`` when it sends one),
     lasting until the response's last byte, so a stream's span covers the whole stream. gRPC calls
-    made while handling the request carry it (``services.common.telemetry``); handlers add the
-    request's facts (model, usage) to ``trace.get_current_span()``. Probes (``/health``,
-    ``/metrics``) are not traced."""
+    made while handling the request are its CLIENT spans (``services.common.client_span``); handlers
+    add the request's facts (model, usage) to ``trace.get_current_span()``. A recorded span's ids go
+    back to the client in a W3C ``traceresponse`` header (``00-<trace id>-<span id>-<flags>``), to
+    find the trace by. Probes (``/health``, ``/metrics``) are not traced."""
 
     UNTRACED_PATHS = frozenset({"/health", "/metrics"})
 
@@ -194,7 +199,7 @@ class TracingMiddleware:
         attributes = {"http.request.method": scope["method"], "url.path": scope["path"]}
         request_id = scope.get("state", {}).get("request_id")
         if request_id:
-            attributes["strata.request_id"] = request_id
+            attributes[request_ids.SPAN_ATTRIBUTE] = request_id
         with telemetry.server_span(f"{scope['method']} {scope['path']}", carrier, attributes) as span:
 
             async def send_with_status(message: Message) -> None:
@@ -202,6 +207,15 @@ class TracingMiddleware:
                     span.set_attribute("http.response.status_code", message["status"])
                     if message["status"] >= 500:
                         span.set_status(telemetry.Status(telemetry.StatusCode.ERROR))
+                    if span.is_recording():
+                        message = {**message, "headers": [*message.get("headers", []),
+                                                          (b"traceresponse", _traceresponse(span))]}
                 await send(message)
 
             await self.app(scope, receive, send_with_status)
+
+
+def _traceresponse(span) -> bytes:
+    """W3C Trace Context Level 2 ``traceresponse``: version, trace id, this server's span id, flags."""
+    context = span.get_span_context()
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}".encode()

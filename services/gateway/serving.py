@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
-from services.gateway import errors, sse
+from services.gateway import errors, genai_span, sse
 from services.gateway.drain import Drain
 from services.gateway.errors import OpenAIError
 from services.gateway.generation import FanOut, Step, plan_choices
@@ -75,6 +75,7 @@ class ChoiceResult:
 class Renderer(Protocol):
     chunk_object: str
     response_object: str
+    operation_name: str  # the GenAI operation: chat, text_completion
 
     def preamble(self, indices: list[int]) -> list[dict]:
         """Choice entries streamed before any token (chat: the role; completions: echo)."""
@@ -152,12 +153,15 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable):
 
 
 class _Recorder:
-    """Metrics of one request."""
+    """Metrics of one request, and its stages as events on the request's span (the current one)."""
 
     def __init__(self, metrics: GatewayMetrics, ctx: RequestContext) -> None:
         self._metrics = metrics
         self._ctx = ctx
         self._first_token_at: float | None = None
+        self._first_chunk_sent = False
+        self.finish_reasons: dict[int, str] = {}  # by choice index
+        self.span = trace.get_current_span()
         metrics.num_requests_running.labels(ctx.model).inc()
 
     def step(self, step: Step) -> None:
@@ -165,8 +169,16 @@ class _Recorder:
             self._first_token_at = time.monotonic()
             self._metrics.time_to_first_token.labels(self._ctx.model).observe(
                 self._first_token_at - self._ctx.arrival)
+            self.span.add_event(genai_span.STAGE_FIRST_TOKEN)
         if step.finish_reason is not None:
+            self.finish_reasons[step.index] = step.finish_reason
             self._metrics.request_success.labels(self._ctx.model, step.finish_reason).inc()
+
+    def chunk_sent(self) -> None:
+        """A chunk with a choice's output went out (a stream)."""
+        if not self._first_chunk_sent:
+            self._first_chunk_sent = True
+            self.span.add_event(genai_span.STAGE_FIRST_CHUNK_SENT)
 
     def error(self, error: OpenAIError) -> None:
         """An error sent after the stream began (an HTTP error status is counted by middleware)."""
@@ -194,8 +206,8 @@ async def serve(request: Request, state: GatewayState, facts: ModelFacts, ctx: R
     usage = Usage(prompts, params.n)
     recorder = _Recorder(state.metrics, ctx)
     handed_over = False
-    span = trace.get_current_span()  # the request's root span (TracingMiddleware)
-    span.set_attributes({"gen_ai.request.model": ctx.model, "strata.response_id": ctx.response_id,
+    span = recorder.span  # the request's root span (TracingMiddleware)
+    span.set_attributes({**genai_span.request_attributes(renderer.operation_name, ctx.model, ctx.response_id, params),
                          "strata.num_choices": len(specs)})
 
     first: asyncio.Future | None = None  # a stream's first step, awaited before or after its headers
@@ -205,8 +217,8 @@ async def serve(request: Request, state: GatewayState, facts: ModelFacts, ctx: R
             first.cancel()
         fanout.cancel()
         recorder.done(usage, completed=fanout.finished)
-        span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
-                             "gen_ai.usage.output_tokens": usage.completion_tokens})
+        span.set_attributes(genai_span.response_attributes(
+            usage.prompt_tokens, usage.completion_tokens, [recorder.finish_reasons.get(i) for i in range(len(specs))]))
 
     try:
         if params.stream:
@@ -285,6 +297,7 @@ async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Rende
             choice = await renderer.stream_choice(step)
             if choice is not None:
                 yield chunk([choice])
+                recorder.chunk_sent()  # resumed: the chunk is out
             step = await drain.race(anext(fanout, None))
         if params.include_usage:
             yield chunk([], with_usage=True)

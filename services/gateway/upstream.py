@@ -1,9 +1,10 @@
 """The gateway's async gRPC clients to the tokenizer and the engine (or a router in front of
 engines). Every unary call has a deadline; a failure becomes an ``OpenAIError`` (INVALID_ARGUMENT
 -> 400, UNAVAILABLE -> 503, ...). Streaming calls are opened here and consumed by
-``generation.py``, which owns their cancellation. Every call carries the trace context in its
-metadata itself, not through channel interceptors: grpc.aio relays each message of an intercepted
-stream through an extra queue and task, a cost paid per generated token.
+``generation.py``, which owns their cancellation. Every call is a CLIENT span of the request's trace
+and carries its trace context and request id in its metadata (`services.common.client_span`; not
+channel interceptors: grpc.aio relays each message of an intercepted stream through an extra queue
+and task, a cost paid per generated token).
 """
 
 import asyncio
@@ -13,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from services.common.telemetry import trace_metadata
+from services.common import client_span
 from services.common.tls import TlsFiles, aio_channel
 from services.gateway import errors
 from services.gateway.validation import MAX_TOP_LOGPROBS, ModelFacts
@@ -24,6 +25,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 _MAX_CONCURRENT_DECODES = 32
+_ENGINE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name + "/"
+_TOKENIZER = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name + "/"
 
 
 class Upstream:
@@ -33,6 +36,7 @@ class Upstream:
                  rpc_timeout_s: float = 30.0, generate_timeout_s: float = 3600.0, tls: TlsFiles | None = None) -> None:
         self._tokenizer_channel = aio_channel(tokenizer_addr, tls, options=_CHANNEL_OPTIONS)
         self._engine_channel = aio_channel(engine_addr, tls, options=_CHANNEL_OPTIONS)
+        self._addresses = {"tokenizer": tokenizer_addr, "engine": engine_addr}
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel)
         self.engine = engine_pb2_grpc.EngineStub(self._engine_channel)
         self.rpc_timeout_s = rpc_timeout_s
@@ -44,11 +48,14 @@ class Upstream:
 
     def generate(self, request: engine_pb2.GenerateRequest):
         """The engine's Generate stream for ``request``."""
-        return self.engine.Generate(request, timeout=self.generate_timeout_s, metadata=trace_metadata())
+        return client_span.call(_ENGINE + "Generate", self._addresses["engine"], lambda metadata: self.engine.Generate(
+            request, timeout=self.generate_timeout_s, metadata=metadata))
 
     def detokenize(self):
         """A Detokenize bidi stream to the tokenizer."""
-        return self.tokenizer.Detokenize(timeout=self.generate_timeout_s, metadata=trace_metadata())
+        return client_span.call(_TOKENIZER + "Detokenize", self._addresses["tokenizer"],
+                                lambda metadata: self.tokenizer.Detokenize(timeout=self.generate_timeout_s,
+                                                                           metadata=metadata))
 
     async def close(self) -> None:
         await asyncio.gather(self._tokenizer_channel.close(), self._engine_channel.close())
@@ -57,8 +64,8 @@ class Upstream:
         """The served model's facts, fetched once from the engine and the tokenizer."""
         if self._facts is None:
             engine_info, tokenizer_info = await asyncio.gather(
-                self._unary("engine", self.engine.Info, engine_pb2.EngineInfoRequest(), 5.0),
-                self._unary("tokenizer", self.tokenizer.Info, tokenizer_pb2.TokenizerInfoRequest(), 5.0))
+                self._unary("engine", "Info", engine_pb2.EngineInfoRequest(), 5.0),
+                self._unary("tokenizer", "Info", tokenizer_pb2.TokenizerInfoRequest(), 5.0))
             self._facts = ModelFacts(
                 name=self._served_model_name or engine_info.model,
                 max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
@@ -70,13 +77,14 @@ class Upstream:
     async def load(self) -> engine_pb2.LoadResponse | None:
         """The engine's current load and cache counters; None when it does not answer in time."""
         try:
-            return await self.engine.Load(engine_pb2.LoadRequest(), timeout=2.0, metadata=trace_metadata())
+            return await client_span.call(_ENGINE + "Load", self._addresses["engine"], lambda metadata: self.engine.Load(
+                engine_pb2.LoadRequest(), timeout=2.0, metadata=metadata))
         except grpc.RpcError:
             return None
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         request = tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list((await self._unary("tokenizer", self.tokenizer.Encode, request)).token_ids)
+        return list((await self._unary("tokenizer", "Encode", request)).token_ids)
 
     async def encode_chat(self, messages: list[tokenizer_pb2.ChatMessage], add_generation_prompt: bool,
                           chat_template: str | None, template_kwargs: dict | None) -> list[int]:
@@ -84,11 +92,11 @@ class Upstream:
             messages=messages, add_generation_prompt=add_generation_prompt,
             chat_template=chat_template or "",
             template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "")
-        return list((await self._unary("tokenizer", self.tokenizer.EncodeChat, request)).token_ids)
+        return list((await self._unary("tokenizer", "EncodeChat", request)).token_ids)
 
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         request = tokenizer_pb2.DecodeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
-        return (await self._unary("tokenizer", self.tokenizer.Decode, request)).text
+        return (await self._unary("tokenizer", "Decode", request)).text
 
     async def token_texts(self, token_ids: set[int]) -> dict[int, str]:
         """The text of each single token (special tokens included), as logprobs show it; cached."""
@@ -115,8 +123,11 @@ class Upstream:
                                                        serving(self._engine_channel))
         return {"tokenizer": tokenizer_ok, "engine": engine_ok}
 
-    async def _unary(self, upstream: str, method, request, timeout_s: float | None = None):
+    async def _unary(self, upstream: str, rpc: str, request, timeout_s: float | None = None):
+        """``rpc`` ("Encode", ...) of the ``upstream`` ("engine" or "tokenizer") with a deadline."""
+        stub, service = (self.engine, _ENGINE) if upstream == "engine" else (self.tokenizer, _TOKENIZER)
         try:
-            return await method(request, timeout=timeout_s or self.rpc_timeout_s, metadata=trace_metadata())
+            return await client_span.call(service + rpc, self._addresses[upstream], lambda metadata: getattr(stub, rpc)(
+                request, timeout=timeout_s or self.rpc_timeout_s, metadata=metadata))
         except grpc.RpcError as error:
             raise errors.from_grpc(error, upstream) from None

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import telemetry
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
 from services.common.tls import TlsFiles, aio_channel
 
@@ -48,7 +47,7 @@ class Replica:
 
     @classmethod
     def connect(cls, address: str, tls: TlsFiles | None = None) -> "Replica":
-        channel = aio_channel(address, tls, options=_CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors())
+        channel = aio_channel(address, tls, options=_CHANNEL_OPTIONS)  # calls are traced at the call (client_span)
         return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel))
 
     @property

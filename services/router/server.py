@@ -17,11 +17,13 @@ import logging
 import grpc
 from opentelemetry import trace
 
+from services.common import client_span
 from services.common.block_hash import hash_prompt_blocks
 from services.common.errors import ResourceExhaustedError, ServiceUnavailableError
 from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
 from services.common.grpc_server import GrpcServer
 from services.common.nats_auth import connect_options, is_authenticated
+from services.common.nats_logging import connection_callbacks
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
 from services.common.tls import TlsFiles
 from services.router.policy import Candidate, choose
@@ -32,6 +34,7 @@ from services.router.replicas import Replica, ReplicaSet
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+GENERATE, LOAD = f"{SERVICE_NAME}/Generate", f"{SERVICE_NAME}/Load"
 POLICIES = ("cache-aware", "round-robin")  # policy.py; round-robin: the baseline, blind to caches and load
 _RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)  # before the first output
 _DOWN_ON = (grpc.StatusCode.UNAVAILABLE,)  # RESOURCE_EXHAUSTED: a full queue, not a dead replica
@@ -92,7 +95,8 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
             self.metrics.overlap.observe(overlap)
             replica.in_flight += 1
             self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
-            call = replica.stub.Generate(request, timeout=self.request_timeout_s)
+            call = client_span.call(GENERATE, replica.address, lambda metadata: replica.stub.Generate(
+                request, timeout=self.request_timeout_s, metadata=metadata))
             relayed = False
             try:
                 async for output in call:
@@ -133,8 +137,9 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         return info
 
     async def Load(self, request, context) -> engine_pb2.LoadResponse:
-        loads = await asyncio.gather(*(r.stub.Load(engine_pb2.LoadRequest(), timeout=2.0)
-                                       for r in self.replicas.healthy()), return_exceptions=True)
+        loads = await asyncio.gather(*(client_span.call(LOAD, r.address, lambda metadata, stub=r.stub: stub.Load(
+            engine_pb2.LoadRequest(), timeout=2.0, metadata=metadata)) for r in self.replicas.healthy()),
+                                     return_exceptions=True)
         total = engine_pb2.LoadResponse(replica_id=self.router_id)
         for load in loads:
             if isinstance(load, engine_pb2.LoadResponse):
@@ -155,7 +160,8 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
         replicas.apply_report(events_pb2.LoadReport.FromString(message.data))
 
     connection = await nats.connect(nats_url, name="strata-router", max_reconnect_attempts=-1,
-                                    reconnect_time_wait=0.5, **connect_options())
+                                    reconnect_time_wait=0.5, **connection_callbacks("strata-router"),
+                                    **connect_options())
     await connection.subscribe(ALL_KV_EVENTS, cb=on_kv_events)
     await connection.subscribe(ALL_LOAD_REPORTS, cb=on_load_report)
     log.info("following KV events and load reports on NATS at %s", nats_url)
