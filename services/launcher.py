@@ -7,7 +7,9 @@
 Builds the default model when no --model is given, picks free ports for the internal services,
 waits until each one is healthy (gRPC health for the tokenizer and engine, HTTP /health for the
 gateway), prints the base URL and a curl example, and prefixes each child's log lines
-(``[engine] ...``), or writes them to files under --log-dir.
+(``[engine] ...``; not JSON lines, which name their service), or writes them to files under --log-dir.
+``--log-level`` and ``--log-format text|json`` reach every service (the autoscaler's engines too);
+a service's own flags (``--engine-args "--log-level debug"``) win.
 
 Once the stack serves, its services are supervised (`services.common.supervisor`): one that dies
 (a crash, an OOM kill, `kill -9`) is started again after a backoff, and the stack keeps serving
@@ -16,7 +18,8 @@ traffic once its health says SERVING. `strata up` exits only on Ctrl-C/SIGTERM, 
 keeps crashing before it is healthy (named, with the tail of its log). A service that dies during
 the first start fails the start at once: nothing served yet, so its configuration is at fault.
 Ctrl-C or SIGTERM stops the children: SIGTERM first, SIGKILL after a grace period. Children also get
-SIGTERM if the launcher dies (Linux parent-death signal), so none are left behind.
+SIGTERM if the launcher dies (Linux parent-death signal), so none are left behind. NATS stops last,
+once the engines, the router and the autoscaler have closed their connections to it.
 
 ``Stack`` is the same machinery as a library (the end-to-end tests start the stack with it).
 """
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common.logging_setup import LOG_FORMATS, LOG_LEVELS
 from services.common.nats_auth import TOKEN_VARIABLE, server_config
 from services.common.supervisor import ChildProcess, CrashLoopError, Supervisor
 from services.engine.threads import openmp_wait_env, usable_cores
@@ -86,6 +90,13 @@ class StackConfig:
     autoscaler_args: list[str] = field(default_factory=list)
     tls: "TlsFiles | None" = None  # --tls-cert/--tls-key/--tls-ca for every gRPC service (services.common.tls)
     restart_backoff_s: float = 1.0  # a service that dies is started again after this, doubling while it keeps dying
+    log_level: str | None = None  # --log-level for every service (None: each one's default)
+    log_format: str | None = None  # --log-format (text, json) for every service
+
+    def log_flags(self) -> list[str]:
+        """The stack-wide logging flags, given to each service before its own flags (which win)."""
+        return [*(["--log-level", self.log_level] if self.log_level else []),
+                *(["--log-format", self.log_format] if self.log_format else [])]
 
 
 class Stack:
@@ -183,13 +194,17 @@ class Stack:
         if config.log_dir is not None:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         for name, argv in commands.items():
+            if name != "nats":  # after `python -m services.<name>`: the service's own flags come later and win
+                argv[3:3] = config.log_flags()
+        for name, argv in commands.items():
             log_path = Path(config.log_dir) / f"{name}.log" if config.log_dir is not None else None
             env = self._engine_env() if name == "engine" or name.startswith("engine-") else {}
             if name == "autoscaler" or name == "router" or name.startswith("engine"):
                 env.update(self._nats_env)  # the NATS token: in their environment, never on a command line
             if name == "gateway" and config.api_key:
                 env["STRATA_API_KEY"] = config.api_key  # likewise: `ps` shows argv to everyone
-            self.services.append(ChildProcess(name, argv, log_path, config.echo_logs, env))
+            prefix = name == "nats" or config.log_format != "json"  # a JSON line names its service itself
+            self.services.append(ChildProcess(name, argv, log_path, config.echo_logs, env, prefix=prefix))
         try:
             for service in self.services:
                 service.spawn()
@@ -287,12 +302,13 @@ class Stack:
             self.supervisor.stop()  # no restarts from here on
         deadline = time.monotonic() + self.config.grace_s
         front = [s for s in self.services if s.name == "gateway"]
-        rest = [s for s in reversed(self.services) if s.name != "gateway"]
-        for group in (front, rest):
+        last = [s for s in self.services if s.name == "nats"]  # engines publish a last "draining" report
+        rest = [s for s in reversed(self.services) if s not in front and s not in last]
+        for group in (front, rest, last):
             for service in group:
                 service.terminate()
             for service in group:
-                service.wait_or_kill(max(deadline, time.monotonic() + 2.0) if group is rest else deadline)
+                service.wait_or_kill(max(deadline, time.monotonic() + 2.0) if group is not front else deadline)
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
 
@@ -399,6 +415,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     tls.add_argument("--tls-ca", type=Path, help="CA (PEM) that signed it: services verify each other (mutual TLS)")
     parser.add_argument("--log-dir", type=Path, help="write each service's log to DIR/<service>.log "
                         "instead of prefixing it to this terminal")
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
+                        help="every service's --log-level (default: theirs, info)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS,
+                        help="every service's --log-format: text, or json (one object per line, with trace and "
+                             "request ids) (default: text)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
     parser.add_argument("--grace", type=float, default=70.0,
                         help="seconds the stack may take to stop after Ctrl-C/SIGTERM: running streams finish "
@@ -448,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                          log_dir=args.log_dir, echo_logs=args.log_dir is None, replicas=args.replicas,
                          autoscale=args.autoscale, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                          autoscaler_args=shlex.split(args.autoscaler_args),
-                         startup_timeout_s=args.startup_timeout, grace_s=args.grace)
+                         startup_timeout_s=args.startup_timeout, grace_s=args.grace,
+                         log_level=args.log_level, log_format=args.log_format)
     if args.tls_cert or args.tls_key or args.tls_ca:
         from services.common.tls import TlsFiles  # imports grpc: after GRPC_ENABLE_FORK_SUPPORT is set
 

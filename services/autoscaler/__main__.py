@@ -6,13 +6,13 @@ uses); ``kubernetes`` scales the engine Deployment through the Kubernetes API (i
 credentials). The decision is the same for both (`decision.py`)."""
 
 import argparse
-import logging
 import shlex
 from pathlib import Path
 
 import uvloop
 
 from services.autoscaler.decision import ScalingPolicy
+from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     local.add_argument("--log-dir", type=Path, help="write each engine's log to DIR/<replica>.log")
     add_tls_args(parser)  # its health service; the local provider's engines get the same files
+    add_logging_args(parser)  # the local provider's engines log the same way, unless --engine-args say otherwise
     return parser
 
 
@@ -86,8 +87,8 @@ def make_provider(args: argparse.Namespace, parser: argparse.ArgumentParser, tls
 
     if not args.model:
         parser.error("--provider local needs --model (the checkpoint the engines serve)")
-    engine_args = ["--model", args.model, "--nats-url", args.nats_url,
-                   "--shutdown-timeout", str(args.drain_timeout), *shlex.split(args.engine_args)]
+    engine_args = ["--model", args.model, "--nats-url", args.nats_url, "--shutdown-timeout", str(args.drain_timeout),
+                   "--log-level", args.log_level, "--log-format", args.log_format, *shlex.split(args.engine_args)]
     return LocalProcessProvider(engine_args, args.max_replicas, host=args.engine_host, log_dir=args.log_dir,
                                 echo_logs=args.log_dir is None, drain_timeout_s=args.drain_timeout, tls=tls)
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     if args.interval <= 0 or args.load_max_age <= 0:
         parser.error("--interval and --load-max-age must be > 0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format, service="strata-autoscaler")
     setup_tracing("strata-autoscaler")
     from services.autoscaler.load import FleetLoad
     from services.autoscaler.metrics import AutoscalerMetrics

@@ -9,6 +9,7 @@ import time
 from services.autoscaler.decision import ReplicaLoad
 from services.common.event_subjects import ALL_LOAD_REPORTS
 from services.common.nats_auth import connect_options
+from services.common.nats_logging import connection_callbacks
 from services.common.pb import events_pb2
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class FleetLoad:
             self.apply(events_pb2.LoadReport.FromString(message.data))
 
         connection = await nats.connect(nats_url, name="strata-autoscaler", max_reconnect_attempts=-1,
-                                        reconnect_time_wait=0.5, **connect_options())
+                                        reconnect_time_wait=0.5, **connection_callbacks("strata-autoscaler"),
+                                        **connect_options())
         await connection.subscribe(ALL_LOAD_REPORTS, cb=on_report)
         log.info("following the engines' load reports on NATS at %s", nats_url)
         return connection

@@ -45,8 +45,9 @@ class ChildProcess:
     """One child process and the thread that reads its output."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path | None = None, echo: bool = True,
-                 env: dict[str, str] | None = None, cpus: set[int] | None = None) -> None:
+                 env: dict[str, str] | None = None, cpus: set[int] | None = None, prefix: bool = True) -> None:
         self.name = name
+        self._prefix = f"[{name}] " if prefix else ""  # before each echoed line
         self.cpus = cpus  # CPU affinity, set right after the spawn (threads the child starts inherit it)
         self.argv = argv
         self.env = env or {}
@@ -84,7 +85,7 @@ class ChildProcess:
                     log_file.write(line + "\n")
                     log_file.flush()
                 if self._echo:
-                    print(f"[{self.name}] {line}", flush=True)
+                    print(f"{self._prefix}{line}", flush=True)
         finally:
             if log_file:
                 log_file.close()

@@ -1,8 +1,8 @@
 """`python -m services.engine [--model DIR] [--port P] ...` (also `strata engine`)."""
 
 import argparse
-import logging
 
+from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.engine.engine_args import add_engine_args, config_from_args
@@ -26,7 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "this machine's name when --host is a wildcard (in a pod: its IP, $(POD_IP))")
     parser.add_argument("--load-report-interval", type=float, default=1.0,
                         help="seconds between load reports on NATS (default: %(default)s)")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help="seconds between the stats lines logged while there is traffic (throughput, "
+                             "running/waiting, KV cache usage, prefix cache hit rate) (default: %(default)s)")
+    parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
     add_tls_args(parser)
+    add_logging_args(parser)
     return parser
 
 
@@ -35,16 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tls = tls_from_args(args, parser)
     use_openmp_wait_policy()  # before the server's imports load torch
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format, service="strata-engine", instance=args.replica_id)
     config = config_from_args(args)
-    setup_tracing("strata-engine")
+    setup_tracing("strata-engine", instance_id=args.replica_id)
     from services.engine.server import run_server
 
-    if args.load_report_interval <= 0:
-        raise SystemExit("strata engine: --load-report-interval must be > 0")
+    if args.load_report_interval <= 0 or args.log_stats_interval <= 0:
+        raise SystemExit("strata engine: --load-report-interval and --log-stats-interval must be > 0")
     run_server(config, args.host, args.port, args.served_model_name or config.model,
                args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval,
-               args.advertise_address, tls)
+               args.advertise_address, tls, None if args.disable_log_stats else args.log_stats_interval)
     return 0
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from services.common.event_subjects import LOAD_REPORTS
 from services.common.nats_auth import connect_options
+from services.common.nats_logging import connection_callbacks
 from services.common.pb import events_pb2
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ class NatsPublisher:
             try:
                 connection = await nats.connect(self.url, name=self.name, connect_timeout=2,
                                                 max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                                allow_reconnect=True, **connect_options())
+                                                allow_reconnect=True, **connection_callbacks(self.name),
+                                                **connect_options())
             except Exception as error:  # down at start: keep trying, the engine serves meanwhile
                 log.warning("NATS at %s unreachable (%s); retrying", self.url, error)
                 await asyncio.sleep(1.0)

@@ -28,6 +28,7 @@ from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import KvEventBuffer, NatsPublisher, publish_load, report_load
 from services.engine.protocol import output_to_proto, sampling_params_from_proto
 from services.engine.request import RequestTimes
+from services.engine.stats_logger import StatsLogger
 from services.engine.threads import openmp_wait_description, set_num_threads
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         params = sampling_params_from_proto(request)
         request_id = request.request_id or uuid.uuid4().hex
         span = trace.get_current_span()  # the RPC's span (grpc_server's tracing interceptor)
-        span.set_attributes({"strata.request_id": request_id, "strata.replica_id": self.config.replica_id,
+        # strata.request_id (the client's x-request-id, else this id) is set by grpc_server's interceptor
+        span.set_attributes({"strata.engine_request_id": request_id, "strata.replica_id": self.config.replica_id,
                              "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
         first = True
         async for output in engine.generate(request_id, list(request.prompt_token_ids), params, request.cache_salt,
@@ -110,11 +112,13 @@ def _add_stage_events(span: trace.Span, times: RequestTimes) -> None:
 def run_server(config: EngineConfig, host: str, port: int, served_model_name: str,
                shutdown_timeout_s: float, metrics_port: int | None, nats_url: str | None = None,
                load_report_interval_s: float = 1.0, advertise_address: str | None = None,
-               tls: TlsFiles | None = None) -> None:
+               tls: TlsFiles | None = None, log_stats_interval_s: float | None = 10.0) -> None:
     """Serves until SIGTERM/SIGINT. The gRPC server (asyncio) runs in a background thread; this
     (main) thread loads the model and then runs the engine loop (see `AsyncEngine.run`). With
-    ``nats_url``, KV events and load reports go to NATS (see `nats_events`)."""
+    ``nats_url``, KV events and load reports go to NATS (see `nats_events`); with
+    ``log_stats_interval_s``, a stats line is logged that often while there is traffic (`stats_logger`)."""
     metrics = EngineMetrics(served_model_name)
+    stats_logger = StatsLogger(config.replica_id, log_stats_interval_s) if log_stats_interval_s else None
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
     loop = uvloop.new_event_loop()
@@ -124,7 +128,8 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     events = _EventPublishing(config, nats_url, load_report_interval_s, advertise_address) if nats_url else None
     grpc_thread = threading.Thread(
         target=loop.run_until_complete, name="grpc",
-        args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested, events, tls),))
+        args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested, events, tls,
+                          stats_logger),))
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -139,11 +144,20 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     core = EngineCore(config, event_sink=events.buffer if events else None)
     core.warmup()
     if not stopping.is_set():
-        engine = AsyncEngine(core, on_step=events.after_step(metrics.observe_step) if events else metrics.observe_step)
+        observe_step = _both(metrics.observe_step, stats_logger.observe_step) if stats_logger else metrics.observe_step
+        engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step)
         servicer.engine = engine
         loop.call_soon_threadsafe(engine_ready.set)
         engine.run()  # until _serve_grpc calls engine.shutdown()
     grpc_thread.join()
+
+
+def _both(first, second):
+    def both(*args) -> None:
+        first(*args)
+        second(*args)
+
+    return both
 
 
 async def _drain(engine: AsyncEngine, timeout_s: float) -> None:
@@ -198,13 +212,14 @@ class _EventPublishing:
 
 async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_timeout_s: float,
                       engine_ready: asyncio.Event, stop_requested: asyncio.Event,
-                      events: _EventPublishing | None, tls: TlsFiles | None = None) -> None:
+                      events: _EventPublishing | None, tls: TlsFiles | None = None,
+                      stats_logger: StatsLogger | None = None) -> None:
     config = servicer.config
     server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}", tls)
     await server.start()
-    reports = None
+    reports = stats_lines = None
     if events is not None:
         events.publisher.start()
         address = _reachable_address(host, bound, events.advertise_address)
@@ -217,6 +232,8 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
         core = servicer.engine.core
         log.info("engine %s ready: %d KV blocks of %d tokens, max model len %d", config.replica_id,
                  core.num_kv_blocks, config.block_size, core.max_model_len)
+        if stats_logger is not None:
+            stats_lines = asyncio.create_task(stats_logger.run(lambda: servicer.engine.stats))
         if events is not None:
             reports = asyncio.create_task(report_load(
                 events.publisher, config.replica_id, address, config.max_num_seqs,
@@ -226,6 +243,8 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
              servicer.engine.num_active_requests if servicer.engine else 0)
     servicer.accepting = False
     await server.set_serving(False)
+    if stats_lines is not None:
+        stats_lines.cancel()
     if reports is not None:
         reports.cancel()
         publish_load(events.publisher, config.replica_id, address, config.max_num_seqs,

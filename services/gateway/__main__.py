@@ -2,12 +2,12 @@
 ``strata gateway ...``). Flags are named like ``vllm serve``'s where the meaning is the same."""
 
 import argparse
-import logging
 import os
 from pathlib import Path
 
 import uvicorn
 
+from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.gateway.app import GatewayConfig, create_app
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the model's tool-call format (hermes: Hermes 2 Pro, Qwen2.5, Qwen3)")
-    parser.add_argument("--log-level", default="info")
+    add_logging_args(parser)
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format, service="strata-gateway")
     setup_tracing("strata-gateway")
     try:
         config = GatewayConfig(
@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"strata gateway: {error}")
     app = create_app(config)
     # uvicorn waits a little past the drain's deadline, so the streams' last error events go out first
+    # log_config=None: uvicorn's own lines (its access lines too) go through setup_logging's handler
     server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                            timeout_graceful_shutdown=args.shutdown_timeout + 2.0),
+                                            log_config=None, timeout_graceful_shutdown=args.shutdown_timeout + 2.0),
                              app.state.drain, args.shutdown_timeout)
     server.run()
     return 0

@@ -2,12 +2,12 @@
 ``strata router ...``): one `strata.v1.Engine` address in front of many engine replicas."""
 
 import argparse
-import logging
 
 import uvloop
 
 from services.common.block_hash import DEFAULT_HASH_SEED
 from services.common.nats_auth import is_authenticated
+from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.router.server import POLICIES, serve
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas a request may try when they fail before its first token (default: %(default)s)")
     add_tls_args(parser)  # served to the gateway, and presented to (and verifying) the engines
+    add_logging_args(parser)
     return parser
 
 
@@ -55,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                      "STRATA_NATS_TOKEN_FILE) for engines that announce themselves")
     if args.health_check_interval <= 0 or args.max_attempts < 1:
         parser.error("--health-check-interval must be > 0 and --max-attempts >= 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("strata-router")
+    setup_logging(args.log_level, args.log_format, service="strata-router", instance=args.router_id)
+    setup_tracing("strata-router", instance_id=args.router_id)
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
                      args.health_check_interval, args.max_attempts, args.policy, args.metrics_port,
                      args.forget_after, args.max_joined_replicas, args.shutdown_timeout, tls))

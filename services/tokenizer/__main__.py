@@ -1,11 +1,11 @@
 """`python -m services.tokenizer [--model DIR] [--host H] [--port P]` (also `strata tokenizer`)."""
 
 import argparse
-import logging
 
 import uvloop
 
 from services.common.default_model import ensure_default_model
+from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.tokenizer.template_budget import TemplateLimits
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=60.0,
                         help="seconds open Detokenize streams may take to finish after SIGTERM (default: %(default)s)")
     add_tls_args(parser)
+    add_logging_args(parser)
     return parser
 
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         limits = TemplateLimits(timeout_s=args.chat_template_timeout, max_chars=args.max_chat_template_chars)
     except ValueError as error:
         parser.error(str(error))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format, service="strata-tokenizer")
     setup_tracing("strata-tokenizer")
     tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())
     servicer = TokenizerServicer(tokenizer, args.trust_request_chat_template, args.workers, limits)

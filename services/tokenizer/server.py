@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import functools
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,8 @@ from services.common.tls import TlsFiles
 from services.tokenizer.chat_template import DEFAULT_TEMPLATE_LIMITS
 from services.tokenizer.template_budget import MAX_REQUEST_TEMPLATE_CHARS, TemplateLimits
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -146,5 +149,5 @@ async def serve(tokenizer: CheckpointTokenizer, host: str, port: int, servicer: 
     bound_port = server.add_port(f"{host}:{port}", tls)
     await server.start()
     await server.set_serving()
-    print(f"tokenizer serving {tokenizer.model} on {host}:{bound_port}", flush=True)
+    log.info("tokenizer serving %s on %s:%d", tokenizer.model, host, bound_port)
     await server.wait_for_termination()

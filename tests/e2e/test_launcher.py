@@ -41,6 +41,16 @@ def test_gateway_flags_pass_through():
     assert gateway_flags(parse_args([])) == []
 
 
+def test_log_flags_for_every_service():
+    """`strata up --log-level/--log-format` go to every service, ahead of its own flags (which win);
+    tests/e2e/test_tracing.py runs a whole stack with log_format="json"."""
+    args = parse_args(["--log-format", "json", "--log-level", "DEBUG"])
+    assert (args.log_format, args.log_level) == ("json", "debug")
+    assert StackConfig(log_level="debug", log_format="json").log_flags() == ["--log-level", "debug",
+                                                                            "--log-format", "json"]
+    assert StackConfig().log_flags() == [] and parse_args([]).log_format is None
+
+
 def test_replicas_behind_a_router(default_model_dir, tmp_path):
     config = StackConfig(model=str(default_model_dir), port=find_free_port(), replicas=2,
                          engine_args=["--num-kv-blocks", "64", "--max-num-seqs", "4", "--enforce-eager"],

@@ -1,7 +1,12 @@
-"""One request is one trace: the gateway's HTTP span and the tokenizer's and the engine's gRPC spans,
-exported by each service process over OTLP to a real OTLP/gRPC receiver, linked parent to child,
-continuing the client's own ``traceparent`` when it sends one."""
+"""One request is one trace across gateway, tokenizer, router and engine, exported by each service
+process over OTLP to a real OTLP/gRPC receiver: a CLIENT span for every outgoing call with the
+callee's SERVER span under it, the GenAI conventions on the root, the trace id back to the client
+(``traceresponse``), the client's ``x-request-id`` on every span and log line; and the same stack's
+logs: JSON from every service, the engines' stats lines, and a shutdown without an error or traceback.
 
+The stack (two engines behind a router, NATS) logs in JSON; its last test stops it."""
+
+import json
 import secrets
 import threading
 import time
@@ -12,26 +17,43 @@ import grpc
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
 
+from services.common.service_identity import version
 from services.launcher import Stack, StackConfig, StartupError, find_free_port
 from tests.e2e.conftest import MODEL
 
-GATEWAY, TOKENIZER, ENGINE = "strata-gateway", "strata-tokenizer", "strata-engine"
+GATEWAY, TOKENIZER, ROUTER, ENGINE = "strata-gateway", "strata-tokenizer", "strata-router", "strata-engine"
 ROOT, GENERATE = "POST /v1/chat/completions", "strata.v1.Engine/Generate"
 ENCODE_CHAT, DETOKENIZE = "strata.v1.Tokenizer/EncodeChat", "strata.v1.Tokenizer/Detokenize"
-EXPECTED = {ROOT, GENERATE, ENCODE_CHAT, DETOKENIZE}
+CLIENT, SERVER = "CLIENT", "SERVER"
+# (service, span name, kind) of one chat request's spans
+EXPECTED = {(GATEWAY, ROOT, SERVER),
+            (GATEWAY, ENCODE_CHAT, CLIENT), (TOKENIZER, ENCODE_CHAT, SERVER),
+            (GATEWAY, DETOKENIZE, CLIENT), (TOKENIZER, DETOKENIZE, SERVER),
+            (GATEWAY, GENERATE, CLIENT), (ROUTER, GENERATE, SERVER),
+            (ROUTER, GENERATE, CLIENT), (ENGINE, GENERATE, SERVER)}
 
 
 @dataclass
 class ExportedSpan:
-    service: str
+    resource: dict
     name: str
+    kind: str
     trace_id: str
     span_id: str
     parent_id: str
     attributes: dict
     events: list[str]
     is_error: bool
+
+    @property
+    def service(self) -> str:
+        return self.resource["service.name"]
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.service, self.name, self.kind
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -44,33 +66,27 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         with self._lock:
             for resource_spans in request.resource_spans:
-                service = next(a.value.string_value for a in resource_spans.resource.attributes
-                               if a.key == "service.name")
+                resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
                         attributes = {a.key: _value(a.value) for a in span.attributes}
-                        self._spans.append(ExportedSpan(service, span.name, span.trace_id.hex(), span.span_id.hex(),
-                                                        span.parent_span_id.hex(), attributes,
-                                                        [event.name for event in span.events],
-                                                        span.status.code == span.status.STATUS_CODE_ERROR))
+                        self._spans.append(ExportedSpan(
+                            resource, span.name, trace_pb2.Span.SpanKind.Name(span.kind).removeprefix("SPAN_KIND_"),
+                            span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), attributes,
+                            [event.name for event in span.events], span.status.code == span.status.STATUS_CODE_ERROR))
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def all_spans(self) -> list[ExportedSpan]:
         with self._lock:
             return list(self._spans)
 
-    def wait_for(self, names: set[str], trace_id: str | None = None, timeout_s: float = 20.0,
-                 **attributes) -> list[ExportedSpan]:
-        """The spans of a trace once spans of every name in ``names`` are in (or after ``timeout_s``): of
-        ``trace_id``, or of the trace of the first span that has ``attributes``."""
+    def wait_for(self, keys: set[tuple[str, str, str]], trace_id: str, timeout_s: float = 20.0) -> list[ExportedSpan]:
+        """The spans of ``trace_id`` once one of each (service, name, kind) in ``keys`` is in (or after
+        ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            spans = self.all_spans()
-            if trace_id is None:
-                trace_id = next((s.trace_id for s in spans
-                                 if all(s.attributes.get(k) == v for k, v in attributes.items())), None)
-            spans = [s for s in spans if s.trace_id == trace_id]
-            if names <= {s.name for s in spans} or time.monotonic() > deadline:
+            spans = [s for s in self.all_spans() if s.trace_id == trace_id]
+            if keys <= {s.key for s in spans} or time.monotonic() > deadline:
                 return spans
             time.sleep(0.1)
 
@@ -87,10 +103,11 @@ def traced_stack(default_model_dir, tmp_path_factory):
     # The receiver starts after the services: forking (to spawn them) while a gRPC server runs in
     # this process breaks the children's gRPC. The services send nothing before the first request.
     port = find_free_port()
-    config = StackConfig(model=str(default_model_dir), port=find_free_port(), served_model_name=MODEL,
-                         engine_args=["--max-num-seqs", "4", "--num-kv-blocks", "64", "--enforce-eager"],
-                         gateway_args=["--log-level", "warning"], log_dir=tmp_path_factory.mktemp("traced-logs"),
-                         echo_logs=False, startup_timeout_s=120, grace_s=5)
+    config = StackConfig(model=str(default_model_dir), port=find_free_port(), served_model_name=MODEL, replicas=2,
+                         engine_args=["--max-num-seqs", "4", "--num-kv-blocks", "64", "--enforce-eager",
+                                      "--log-stats-interval", "1"],
+                         log_format="json", log_dir=tmp_path_factory.mktemp("traced-logs"),
+                         echo_logs=False, startup_timeout_s=120, grace_s=10)
     stack = Stack(config)
     with pytest.MonkeyPatch.context() as env:  # the services read these when they start
         env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
@@ -109,46 +126,85 @@ def traced_stack(default_model_dir, tmp_path_factory):
     server.stop(None)
 
 
-def chat(stack, headers: dict, stream: bool, status: int = 200, **fields) -> dict | str:
+def chat(stack, headers: dict, stream: bool, status: int = 200, **fields) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": stream,
             **fields}
     response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
-    assert response.status_code == status
-    return response.text if stream else response.json()
+    assert response.status_code == status, response.text
+    return response
 
 
-def test_a_streamed_request_is_one_trace_under_the_clients_span(traced_stack):
+def traceresponse(response: httpx.Response) -> tuple[str, str]:
+    """The trace id and the gateway's span id from the ``traceresponse`` header."""
+    version_, trace_id, span_id, flags = response.headers["traceresponse"].split("-")
+    assert version_ == "00" and len(trace_id) == 32 and len(span_id) == 16 and int(flags, 16) & 1  # sampled
+    return trace_id, span_id
+
+
+def log_records(stack, name: str) -> list[dict]:
+    return [json.loads(line) for line in (stack.config.log_dir / f"{name}.log").read_text().splitlines()]
+
+
+def test_every_hop_is_a_client_span_over_the_callees_server_span(traced_stack):
     stack, receiver = traced_stack
     trace_id, client_span_id = secrets.token_hex(16), secrets.token_hex(8)
-    chat(stack, {"traceparent": f"00-{trace_id}-{client_span_id}-01"}, stream=True)
+    response = chat(stack, {"traceparent": f"00-{trace_id}-{client_span_id}-01"}, stream=True)
+    request_id = response.headers["x-request-id"]  # none was sent: the gateway's own
     spans = receiver.wait_for(EXPECTED, trace_id)
-    by_name = {s.name: s for s in spans}
-    root = by_name[ROOT]
-    assert root.service == GATEWAY and root.parent_id == client_span_id
-    assert root.attributes["http.response.status_code"] == 200
-    assert root.attributes["gen_ai.request.model"] == MODEL and root.attributes["gen_ai.usage.output_tokens"] == 5
-    generate = by_name[GENERATE]
-    assert generate.service == ENGINE and generate.parent_id == root.span_id
-    assert generate.attributes["gen_ai.usage.output_tokens"] == 5
-    assert generate.attributes["gen_ai.response.finish_reasons"] == ["length"]
-    assert generate.events == ["queued", "scheduled", "first_token"]  # the engine's stages, in order
-    assert generate.attributes["strata.queue_time_s"] >= 0 and generate.attributes["strata.decode_time_s"] > 0
-    for name in (ENCODE_CHAT, DETOKENIZE):
-        assert by_name[name].service == TOKENIZER and by_name[name].parent_id == root.span_id
+    by_key = {s.key: s for s in spans}
+    assert EXPECTED <= set(by_key), EXPECTED - set(by_key)
+    root = by_key[GATEWAY, ROOT, SERVER]
+    assert root.parent_id == client_span_id and traceresponse(response) == (trace_id, root.span_id)
+    for name in (ENCODE_CHAT, DETOKENIZE, GENERATE):  # the gateway's calls, under its root
+        assert by_key[GATEWAY, name, CLIENT].parent_id == root.span_id, name
+    for callee, caller in (((TOKENIZER, ENCODE_CHAT), (GATEWAY, ENCODE_CHAT)),
+                           ((TOKENIZER, DETOKENIZE), (GATEWAY, DETOKENIZE)),
+                           ((ROUTER, GENERATE), (GATEWAY, GENERATE)), ((ENGINE, GENERATE), (ROUTER, GENERATE))):
+        assert by_key[(*callee, SERVER)].parent_id == by_key[(*caller, CLIENT)].span_id, callee
+    assert by_key[ROUTER, GENERATE, CLIENT].parent_id == by_key[ROUTER, GENERATE, SERVER].span_id
+    client = by_key[GATEWAY, GENERATE, CLIENT]
+    assert client.attributes["rpc.system"] == "grpc" and client.attributes["server.port"] > 0
+    assert not any(s.is_error for s in spans)  # the streams the callers cancel after their end included
+    assert {s.attributes.get("strata.request_id") for s in spans} == {request_id}
+    engine = by_key[ENGINE, GENERATE, SERVER]
+    assert engine.events == ["queued", "scheduled", "first_token"]  # the engine's stages, in order
+    assert engine.attributes["strata.queue_time_s"] >= 0 and engine.attributes["strata.decode_time_s"] > 0
+    assert engine.attributes["strata.engine_request_id"].startswith("chatcmpl-")
+    assert root.events[:2] == ["first_token", "first_chunk_sent"]  # the gateway's own stages
+    # each process names itself: an engine by its replica id, the router by its id
+    assert engine.resource["service.instance.id"] == engine.attributes["strata.replica_id"]
+    assert by_key[ROUTER, GENERATE, SERVER].resource["service.instance.id"] == "router-0"
+    assert root.resource["service.instance.id"] and root.resource["service.version"] == version()
 
 
-def test_without_a_traceparent_the_gateway_starts_the_trace(traced_stack):
+def test_the_root_has_the_genai_attributes_and_the_request_id_is_everywhere(traced_stack):
     stack, receiver = traced_stack
-    assert httpx.get(f"{stack.base_url}/health", timeout=10).status_code == 200  # a probe: not traced
-    request_id = secrets.token_hex(8)
-    result = chat(stack, {"x-request-id": request_id}, stream=False)
-    assert result["usage"]["completion_tokens"] == 5
-    spans = receiver.wait_for(EXPECTED, **{"strata.request_id": request_id})
+    request_id = f"client-{secrets.token_hex(4)}"
+    response = chat(stack, {"x-request-id": request_id}, stream=False, temperature=0.5, top_p=0.9, seed=7,
+                    stop=["never-said"])
+    result = response.json()
+    assert response.headers["x-request-id"] == request_id
+    trace_id, root_span_id = traceresponse(response)
+    spans = receiver.wait_for(EXPECTED, trace_id)
     root = next(s for s in spans if s.name == ROOT)
-    assert root.parent_id == "" and root.attributes["strata.response_id"] == result["id"]
-    assert {s.service for s in spans} == {GATEWAY, TOKENIZER, ENGINE}
-    assert all(s.parent_id == root.span_id for s in spans if s is not root)
-    assert not any(s.name.endswith("/health") for s in receiver.all_spans())
+    assert root.span_id == root_span_id and root.parent_id == ""  # no traceparent: the gateway starts the trace
+    attributes = root.attributes
+    assert attributes["gen_ai.operation.name"] == "chat" and attributes["gen_ai.provider.name"] == "strata"
+    assert attributes["gen_ai.request.model"] == attributes["gen_ai.response.model"] == MODEL
+    assert attributes["gen_ai.response.id"] == result["id"]
+    assert attributes["gen_ai.request.max_tokens"] == 5 and attributes["gen_ai.request.seed"] == 7
+    assert attributes["gen_ai.request.temperature"] == 0.5 and attributes["gen_ai.request.top_p"] == pytest.approx(0.9)
+    assert attributes["gen_ai.request.stop_sequences"] == ["never-said"]
+    assert attributes["gen_ai.response.finish_reasons"] == [result["choices"][0]["finish_reason"]]
+    assert attributes["gen_ai.usage.input_tokens"] == result["usage"]["prompt_tokens"]
+    assert attributes["gen_ai.usage.output_tokens"] == result["usage"]["completion_tokens"]
+    assert {s.service for s in spans} == {GATEWAY, TOKENIZER, ROUTER, ENGINE}
+    assert all(s.attributes["strata.request_id"] == request_id for s in spans), \
+        [(s.key, s.attributes.get("strata.request_id")) for s in spans]
+    # the gateway's access line for it, in JSON, carries its ids
+    access = [r for r in log_records(stack, "gateway") if r.get("request_id") == request_id]
+    assert access and all(r["trace_id"] == trace_id for r in access), access
+    assert any(r["logger"] == "uvicorn.access" and "POST /v1/chat/completions" in r["message"] for r in access)
 
 
 def test_a_refused_request_marks_the_failing_hop(traced_stack):
@@ -156,17 +212,24 @@ def test_a_refused_request_marks_the_failing_hop(traced_stack):
     trace_id = secrets.token_hex(16)
     chat(stack, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}, stream=False, status=400,
          chat_template="{% for %}")  # the tokenizer cannot compile it: INVALID_ARGUMENT
-    spans = {s.name: s for s in receiver.wait_for({ROOT, ENCODE_CHAT}, trace_id)}
-    assert spans[ENCODE_CHAT].is_error and "exception" in spans[ENCODE_CHAT].events
-    assert spans[ROOT].attributes["http.response.status_code"] == 400 and not spans[ROOT].is_error
+    keys = {(GATEWAY, ROOT, SERVER), (GATEWAY, ENCODE_CHAT, CLIENT), (TOKENIZER, ENCODE_CHAT, SERVER)}
+    spans = {s.key: s for s in receiver.wait_for(keys, trace_id)}
+    server = spans[TOKENIZER, ENCODE_CHAT, SERVER]
+    assert server.is_error and "exception" in server.events
+    assert spans[GATEWAY, ENCODE_CHAT, CLIENT].is_error
+    assert spans[GATEWAY, ENCODE_CHAT, CLIENT].attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    root = spans[GATEWAY, ROOT, SERVER]
+    assert root.attributes["http.response.status_code"] == 400 and not root.is_error
 
 
 def test_polling_calls_make_no_traces_of_their_own(traced_stack):
-    """A router's checks (Info, Load every second) and /metrics scrapes are not traces; an Info
-    inside a caller's trace still is a span of it."""
+    """The router's checks of its engines (Info, Load every second), a caller's Info/Load and /metrics
+    scrapes are not traces; an Info inside a caller's trace still is a span of it."""
     stack, receiver = traced_stack
     from services.common.pb import engine_pb2, engine_pb2_grpc
 
+    assert httpx.get(f"{stack.base_url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{stack.base_url}/metrics", timeout=10).status_code == 200
     with grpc.insecure_channel(stack.engine_addr) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         for _ in range(5):
@@ -175,7 +238,47 @@ def test_polling_calls_make_no_traces_of_their_own(traced_stack):
         trace_id = secrets.token_hex(16)
         stub.Info(engine_pb2.EngineInfoRequest(), timeout=5,
                   metadata=(("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),))
-    spans = receiver.wait_for({"strata.v1.Engine/Info"}, trace_id=trace_id)
+    spans = receiver.wait_for({(ROUTER, "strata.v1.Engine/Info", SERVER)}, trace_id)
     assert [s.name for s in spans] == ["strata.v1.Engine/Info"]
-    polled = [s for s in receiver.all_spans() if s.name in ("strata.v1.Engine/Info", "strata.v1.Engine/Load")]
-    assert all(s.parent_id for s in polled), "polling calls outside a trace were traced as roots"
+    time.sleep(1.5)  # a round of the router's checks, exported
+    roots = [s for s in receiver.all_spans() if not s.parent_id and s.name != ROOT]
+    assert not roots, [s.key for s in roots]
+    assert not any(s.name.endswith("/health") or s.name == "GET /metrics" for s in receiver.all_spans())
+
+
+def test_every_service_logs_json_and_the_engines_their_stats_lines(traced_stack):
+    stack, _ = traced_stack
+    for i in range(3):
+        chat(stack, {}, stream=False)
+    deadline = time.monotonic() + 10
+    while True:
+        stats = [r for name in ("engine-0", "engine-1") for r in log_records(stack, name)
+                 if r["message"].startswith("Engine engine-")]
+        if stats or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert stats, "no stats line under traffic"
+    line = stats[0]["message"]
+    for part in ("Avg prompt throughput:", "tokens/s, Avg generation throughput:", "Running:", "Waiting:",
+                 "KV cache usage:", "Prefix cache hit rate:"):
+        assert part in line, line
+    for service in stack.services:
+        if service.name != "nats":  # every line of the others parses, with a timestamp and a level
+            records = log_records(stack, service.name)
+            assert records and all(r["timestamp"] and r["level"] for r in records), service.name
+
+
+def test_the_stack_stops_without_an_error_or_a_traceback(traced_stack):
+    """Last: stops the stack (NATS included) while the router and the engines are connected to it."""
+    stack, _ = traced_stack
+    chat(stack, {}, stream=True)
+    stack.stop()
+    for service in stack.services:
+        assert service.exit_code is not None, service.name
+        text = (stack.config.log_dir / f"{service.name}.log").read_text()
+        assert "Traceback" not in text, f"{service.name}:\n{text[-3000:]}"
+        if service.name == "nats":
+            assert "[ERR]" not in text, text[-3000:]
+        else:
+            errors = [r for r in log_records(stack, service.name) if r["level"] in ("ERROR", "CRITICAL")]
+            assert not errors, f"{service.name}: {errors}"

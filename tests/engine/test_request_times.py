@@ -101,7 +101,7 @@ def test_a_queued_requests_engine_span_has_its_stages_in_order(core):
             return [response async for response in servicer.Generate(request, None)]
 
     run_all_queued(engine, consume)
-    spans = {span.attributes["strata.request_id"]: span for span in exporter.get_finished_spans()}
+    spans = {span.attributes["strata.engine_request_id"]: span for span in exporter.get_finished_spans()}
     assert set(spans) == set(MAX_TOKENS)
     for request_id, span in spans.items():
         events = {event.name: event.timestamp for event in span.events}
