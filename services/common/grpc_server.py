@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
@@ -124,17 +125,24 @@ def _traced(behavior, name: str, attributes: dict, only_in_a_trace: bool = False
         async def stream(request, context):
             carrier, given_id, span_attributes = _call_facts(request, context, attributes)
             span = telemetry.start_server_span(name, carrier, span_attributes)
+            with_span = trace.set_span_in_context(span)
             responses = behavior(request, context)
             try:
                 while True:
                     # current for each step only: a context attached across a yield would be detached
-                    # from another task when the stream is closed from outside ("Failed to detach context")
-                    with request_id.bound(given_id), trace.use_span(span, record_exception=False,
-                                                                    set_status_on_exception=False):
-                        try:
-                            response = await _aborting_marks_span(anext(responses), context)
-                        except StopAsyncIteration:
-                            return
+                    # from another task when the stream is closed from outside ("Failed to detach
+                    # context"); attach/detach rather than context managers: this runs per message
+                    bound, attached = request_id.bind(given_id), otel_context.attach(with_span)
+                    try:
+                        response = await anext(responses)
+                    except StopAsyncIteration:
+                        return
+                    except grpc.aio.AbortError:
+                        _mark_aborted(span, context)
+                        raise
+                    finally:
+                        otel_context.detach(attached)
+                        request_id.unbind(bound)
                     yield response
             except BaseException as exc:
                 if not isinstance(exc, GeneratorExit) and not telemetry.is_marked(span):
@@ -159,11 +167,15 @@ async def _aborting_marks_span(step, context: grpc.aio.ServicerContext):
     try:
         return await step
     except grpc.aio.AbortError:
-        span = trace.get_current_span()
-        if not telemetry.is_marked(span):
-            code = context.code()
-            span.set_status(Status(StatusCode.ERROR, f"{getattr(code, 'name', code)}: {context.details()}"))
+        _mark_aborted(trace.get_current_span(), context)
         raise
+
+
+def _mark_aborted(span, context: grpc.aio.ServicerContext) -> None:
+    """The status a servicer aborted with, on its span (unless the error mapping recorded one)."""
+    if not telemetry.is_marked(span):
+        code = context.code()
+        span.set_status(Status(StatusCode.ERROR, f"{getattr(code, 'name', code)}: {context.details()}"))
 
 
 def _mapped(behavior, method: str):
