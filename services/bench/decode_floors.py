@@ -73,7 +73,9 @@ def time_decode_step(config: EngineConfig, context: int, steps: int) -> tuple[fl
 
     warmup_steps = 3
     num_blocks = -(-(context + steps + warmup_steps + 1) // config.block_size) + 1
-    core = EngineCore(dataclasses.replace(config, max_num_seqs=1, num_kv_blocks=num_blocks))
+    # a fixed thread count: the adaptive one would time some steps on fewer threads while it probes
+    core = EngineCore(dataclasses.replace(config, max_num_seqs=1, num_kv_blocks=num_blocks,
+                                          num_threads=config.num_threads or torch.get_num_threads()))
     core.warmup()
     params = SamplingParams(temperature=0.0, max_tokens=steps + warmup_steps + 2, ignore_eos=True)
     core.add_request("decode-step", [(7 * i + 1) % core.vocab_size for i in range(context)], params)

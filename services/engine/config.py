@@ -25,7 +25,7 @@ class EngineConfig:
     replica_id: str = "engine-0"
     seed: int = 0  # seeds the engine's random generator for requests without a seed
     enforce_eager: bool = False  # run the model op by op: no compiled decode graphs (as vLLM's flag)
-    num_threads: int | None = None  # CPU threads of the model's kernels; None: the cores this process may use
+    num_threads: int | None = None  # CPU threads of the model's kernels, fixed; None: adapted (threads.ThreadGovernor)
     # Requests that may wait beyond a full running batch before new ones are refused (RESOURCE_EXHAUSTED);
     # None: 4 x max_num_seqs, so the last in line waits about four batch turnovers; -1: unbounded.
     max_waiting_requests: int | None = None

@@ -36,7 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run the model op by op, without compiled decode graphs (default: compiled where possible)")
     parser.add_argument("--num-threads", type=int,
-                        help="CPU threads for the model's kernels (default: the cores this process may use)")
+                        help="CPU threads for the model's kernels, fixed (default: adapted to the load between one "
+                             "and OMP_NUM_THREADS or the cores this process may use, by timing decode steps)")
 
 
 def model_dir_from_args(args: argparse.Namespace) -> str:

@@ -5,6 +5,7 @@ It is driven by one thread at a time (the engine loop thread of `AsyncEngine`, o
 """
 
 import logging
+import time
 from collections.abc import Sequence
 
 from services.common.errors import InvalidRequestError
@@ -16,6 +17,7 @@ from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerStats
 from services.engine.scheduler_output import ModelRunnerOutput, RequestOutput, ScheduledChunk, SchedulerOutput
+from services.engine.threads import thread_governor
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class EngineCore:
             event_sink=event_sink or NullKvEventSink(),
         )
         self.last_num_batched_tokens = 0
+        self.threads = thread_governor(config.num_threads) if self.model_runner.device.type == "cpu" else None
         self._failures: dict[str, Exception] = {}
 
     @property
@@ -108,6 +111,7 @@ class EngineCore:
         that fails alone is failed while every other one gets its token. When the scheduler
         itself raises, no request can be blamed: the step's requests are failed. Failed requests
         are aborted (their blocks freed) and reported by ``take_failures()``; the engine goes on."""
+        started = time.perf_counter()
         try:
             scheduler_output = self.scheduler.schedule()
         except Exception as error:  # the step's requests: the running ones and the one it was admitting
@@ -119,6 +123,10 @@ class EngineCore:
         if scheduler_output.is_empty:
             return []
         runner_output = self._execute_isolating(scheduler_output.chunks)
+        if self.threads is not None:
+            num_chunks = len(scheduler_output.chunks)
+            self.threads.after_step(num_chunks, scheduler_output.num_batched_tokens == num_chunks,
+                                    time.perf_counter() - started)
         step_request_ids = [chunk.request.request_id for chunk in scheduler_output.chunks]
         try:
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)  # skips the failed

@@ -139,7 +139,8 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     grpc_thread.start()
-    log.info("engine %s: %d kernel threads, OpenMP wait %s", config.replica_id, set_num_threads(config.num_threads),
+    log.info("engine %s: %s%d kernel threads, OpenMP wait %s", config.replica_id,
+             "" if config.num_threads else "up to ", set_num_threads(config.num_threads),
              openmp_wait_description())
     core = EngineCore(config, event_sink=events.buffer if events else None)
     core.warmup()

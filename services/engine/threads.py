@@ -14,8 +14,11 @@ and by the launcher for its engine children:
   may run on (its CPU affinity, which `taskset`, cgroups' cpusets and container limits narrow).
 """
 
+import logging
 import os
 from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
 
 # Spins before an idle OpenMP thread sleeps. One spin (a PAUSE and a load) took ~160 ns on the
 # 2-vCPU Zen 4 VM this was tuned on, so libgomp's 300,000 spin ~50 ms and 10,000 still ~1.7 ms, longer
@@ -74,3 +77,100 @@ def set_num_threads(num_threads: int | None) -> int:
     resolved = resolve_num_threads(num_threads, os.environ)
     torch.set_num_threads(resolved)
     return resolved
+
+
+
+class ThreadGovernor:
+    """The engine's kernel threads, sized by trying: now and then one thread fewer (or more) for a
+    few decode steps, kept when it decodes faster.
+
+    A decode step is a chain of phases that all its threads finish before the next begins. When other
+    processes need the same cores (the gateway and tokenizer passing every token on, a neighbour), a
+    thread that loses its core holds the others at the next barrier, and a step on as many threads as
+    cores gets slower than one on fewer; when nobody else needs them, every core helps. Which case
+    holds depends on the load, not on the machine (measured on 2 cores through ``strata up``: one
+    stream decodes faster on one thread, 64 streams on two), so the governor measures it: every
+    ``probe_every_s`` it times ``window_steps`` decode steps at the current size, then as many at a
+    neighbouring size, and keeps that size when its decode rate (rows per second of decode steps) is
+    ``min_gain`` better at about the same batch size; otherwise it goes back (and when the batch size
+changed in between, it tries again after ``retry_s``). A decode batch more than twice or less than
+half the one the last probe decided at starts a probe at once. Between 1 and ``ceiling``.
+
+    Called by the thread that runs the model (OpenMP's team size is per thread): ``after_step`` with
+    every step's size and duration.
+    """
+
+    def __init__(self, ceiling: int, probe_every_s: float = 10.0, first_probe_s: float = 2.0, window_steps: int = 16,
+                 min_gain: float = 0.05, retry_s: float = 0.5, clock=None, set_threads=None) -> None:
+        import time
+
+        self.ceiling = self.threads = ceiling
+        self.probe_every_s, self.window_steps, self.min_gain = probe_every_s, window_steps, min_gain
+        self.retry_s = retry_s
+        self._clock = clock or time.monotonic
+        self._set_threads = set_threads
+        self._next_probe = self._clock() + first_probe_s
+        self._direction = -1  # the side the next probe tries first
+        self._baseline: tuple[float, float] | None = None  # (rows per second, mean rows per step) at self.threads
+        self._trial_from: int | None = None  # the size a trial started from
+        self._decided_rows: float | None = None  # the batch size the last probe decided at
+        self._rows = self._seconds = self._steps = 0.0
+
+    def after_step(self, num_rows: int, decode_only: bool, seconds: float) -> None:
+        if self.ceiling <= 1 or not decode_only or num_rows == 0:
+            return
+        if self._trial_from is None and self._baseline is None and self._clock() < self._next_probe:
+            if self._decided_rows is None or self._decided_rows / 2 <= num_rows <= self._decided_rows * 2:
+                return  # not yet time, and the load is what the last probe saw
+        self._rows += num_rows
+        self._seconds += seconds
+        self._steps += 1
+        if self._steps < self.window_steps:
+            return
+        window = (self._rows / self._seconds, self._rows / self._steps)
+        self._rows = self._seconds = self._steps = 0.0
+        if self._trial_from is None:  # the baseline window ends: try a neighbour
+            self._baseline = window
+            self._trial_from = self.threads
+            self._resize(self._neighbour())
+        else:
+            self._judge(window)
+
+    def _neighbour(self) -> int:
+        wanted = self.threads + self._direction
+        if not 1 <= wanted <= self.ceiling:
+            wanted = self.threads - self._direction
+        self._direction = -self._direction
+        return wanted
+
+    def _judge(self, trial: tuple[float, float]) -> None:
+        (base_rate, base_rows), (rate, rows) = self._baseline, trial
+        comparable = abs(rows - base_rows) <= 0.1 * base_rows
+        if comparable:
+            self._decided_rows = rows
+        if comparable and rate > base_rate * (1 + self.min_gain):
+            log.info("kernel threads %d -> %d: decode steps of ~%.0f rows run at %.0f rows/s instead of %.0f",
+                     self._trial_from, self.threads, rows, rate, base_rate)
+        else:
+            self._resize(self._trial_from)
+        self._baseline = self._trial_from = None
+        # a probe across a change of load says nothing: try again soon
+        self._next_probe = self._clock() + (self.probe_every_s if comparable else self.retry_s)
+
+    def _resize(self, threads: int) -> None:
+        if threads != self.threads:
+            if self._set_threads is None:
+                import torch
+
+                torch.set_num_threads(threads)
+            else:
+                self._set_threads(threads)
+            self.threads = threads
+
+
+def thread_governor(num_threads: int | None) -> ThreadGovernor | None:
+    """The governor of an engine whose thread count was not fixed with ``--num-threads``: it adapts
+    between one thread and ``resolve_num_threads`` (OMP_NUM_THREADS, else the usable cores)."""
+    if num_threads is not None:
+        return None
+    return ThreadGovernor(resolve_num_threads(None, os.environ))

@@ -5,7 +5,8 @@ import os
 import subprocess
 import sys
 
-from services.engine.threads import OPENMP_SPIN_COUNT, openmp_wait_env, resolve_num_threads, usable_cores
+from services.engine.threads import (OPENMP_SPIN_COUNT, ThreadGovernor, openmp_wait_env, resolve_num_threads,
+                                     thread_governor, usable_cores)
 from services.launcher import Stack, StackConfig
 
 
@@ -45,3 +46,87 @@ def test_the_launcher_gives_one_replica_as_many_their_threads_and_wait_policy(mo
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert Stack(StackConfig())._engine_env() == {}
+
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_governor(ceiling: int, step_ms) -> tuple[ThreadGovernor, list[int], Clock]:
+    """A governor whose decode steps take ``step_ms(threads, rows)``; returns it, the sizes it set and
+    its clock."""
+    sizes, clock = [], Clock()
+    governor = ThreadGovernor(ceiling, probe_every_s=10.0, first_probe_s=2.0, window_steps=4, clock=clock,
+                              set_threads=sizes.append)
+    governor.step_ms = step_ms
+    return governor, sizes, clock
+
+
+def decode(governor: ThreadGovernor, clock: Clock, rows: int, steps: int) -> None:
+    for _ in range(steps):
+        seconds = governor.step_ms(governor.threads, rows) / 1e3
+        clock.now += seconds
+        governor.after_step(rows, True, seconds)
+
+
+def test_governor_keeps_fewer_threads_when_they_decode_faster():
+    # one stream through the stack: the second thread loses its core to the gateway and tokenizer
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 4.6, 2: 5.9}[threads])
+    decode(governor, clock, 1, 100)  # 0.46 s: no probe before first_probe_s
+    assert sizes == [] and governor.threads == 2
+    decode(governor, clock, 1, 400)
+    assert governor.threads == 1 and sizes == [1]
+    clock.now += 10.0
+    decode(governor, clock, 1, 8)  # the next probe tries two again, and goes back
+    assert governor.threads == 1 and sizes == [1, 2, 1]
+
+
+def test_governor_keeps_every_thread_when_they_help_and_ignores_other_steps():
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 45.0, 2: 26.0}[threads])
+    clock.now = 5.0
+    for _ in range(20):
+        governor.after_step(300, False, 0.1)  # mixed steps say nothing about decoding
+    assert sizes == []
+    decode(governor, clock, 64, 8)
+    assert governor.threads == 2 and sizes == [1, 2]
+
+
+def test_governor_moves_one_thread_at_a_time_and_needs_a_clear_gain():
+    governor, sizes, clock = make_governor(8, lambda threads, rows: 10.0 + abs(threads - 5))
+    clock.now = 2.0
+    for _ in range(6):
+        decode(governor, clock, 8, 8)
+        clock.now += 10.0
+    assert governor.threads == 5
+    governor, sizes, clock = make_governor(4, lambda threads, rows: 10.0 - 0.2 * threads)  # 2% better: no move
+    clock.now = 2.0
+    decode(governor, clock, 8, 8)
+    assert governor.threads == 4 and sizes == [3, 4]
+
+
+def test_a_probe_across_a_change_of_batch_size_is_thrown_away():
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 2.0, 2: 3.0}[threads])
+    clock.now = 2.0
+    decode(governor, clock, 64, 4)  # baseline at 64 rows
+    decode(governor, clock, 8, 4)  # the trial saw another load: not comparable
+    assert governor.threads == 2 and sizes == [1, 2]
+
+
+def test_no_governor_when_the_thread_count_is_fixed():
+    assert thread_governor(3) is None
+    assert thread_governor(None).ceiling == resolve_num_threads(None, os.environ)
+
+
+def test_a_new_load_starts_a_probe_at_once():
+    # one stream decodes faster on one thread, a full batch on two
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 4.0 + 0.6 * rows, 2: 5.0 + 0.3 * rows}[threads])
+    clock.now = 2.0
+    decode(governor, clock, 1, 8)
+    assert governor.threads == 1
+    decode(governor, clock, 64, 8)  # well before probe_every_s: the batch grew 64x
+    assert governor.threads == 2 and sizes == [1, 2]
