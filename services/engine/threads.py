@@ -89,52 +89,67 @@ class ThreadGovernor:
     thread that loses its core holds the others at the next barrier, and a step on as many threads as
     cores gets slower than one on fewer; when nobody else needs them, every core helps. Which case
     holds depends on the load, not on the machine (measured on 2 cores through ``strata up``: one
-    stream decodes faster on one thread, 64 streams on two), so the governor measures it: every
-    ``probe_every_s`` it times ``window_steps`` decode steps at the current size, then as many at a
-    neighbouring size, and keeps that size when its decode rate (rows per second of decode steps) is
-    ``min_gain`` better at about the same batch size; otherwise it goes back (and when the batch size
-changed in between, it tries again after ``retry_s``). A decode batch more than twice or less than
-half the one the last probe decided at starts a probe at once. Between 1 and ``ceiling``.
+    stream decodes faster on one thread, 64 streams on two), so the governor measures it. It times
+    decode steps in windows of ``window_steps``; when a probe is due, the last window is the baseline
+    and the next runs at a neighbouring size, which is kept when its decode rate (rows per second of
+    decode steps) is ``min_gain`` better at about the same batch size, else the size goes back. A probe
+    is due every ``probe_every_s``, after ``retry_s`` when the batch size changed during the last one,
+    and at once when a window shows a batch 1.5 times larger or smaller than the one the last probe
+    kept, or the same batch decoding more than 25% slower or 33% faster (a neighbour came or went).
+    Between 1 and ``ceiling``.
 
-    Called by the thread that runs the model (OpenMP's team size is per thread): ``after_step`` with
-    every step's size and duration.
+    Steps that prefill run on every thread: their matrix products are long and use every core they
+    get. Called by the thread that runs the model (OpenMP's team size is per thread): ``before_step``
+    and ``after_step`` around every step.
     """
 
-    def __init__(self, ceiling: int, probe_every_s: float = 10.0, first_probe_s: float = 2.0, window_steps: int = 16,
+    def __init__(self, ceiling: int, probe_every_s: float = 10.0, window_steps: int = 16,
                  min_gain: float = 0.05, retry_s: float = 0.5, clock=None, set_threads=None) -> None:
         import time
 
         self.ceiling = self.threads = ceiling
+        self._applied = ceiling  # the team size set last
         self.probe_every_s, self.window_steps, self.min_gain = probe_every_s, window_steps, min_gain
         self.retry_s = retry_s
         self._clock = clock or time.monotonic
         self._set_threads = set_threads
-        self._next_probe = self._clock() + first_probe_s
+        self._next_probe = 0.0
         self._direction = -1  # the side the next probe tries first
         self._baseline: tuple[float, float] | None = None  # (rows per second, mean rows per step) at self.threads
         self._trial_from: int | None = None  # the size a trial started from
-        self._decided_rows: float | None = None  # the batch size the last probe decided at
+        self._decided: tuple[float, float] | None = None  # (rows per second, rows per step) the last probe kept
         self._rows = self._seconds = self._steps = 0.0
+
+    def before_step(self, decode_only: bool) -> None:
+        """Sets the team for the coming step: the governed size for a decode-only step, every thread
+        (``ceiling``) for one that prefills, whose large matrix products use every core they get."""
+        self._apply(self.threads if decode_only else self.ceiling)
 
     def after_step(self, num_rows: int, decode_only: bool, seconds: float) -> None:
         if self.ceiling <= 1 or not decode_only or num_rows == 0:
             return
-        if self._trial_from is None and self._baseline is None and self._clock() < self._next_probe:
-            if self._decided_rows is None or self._decided_rows / 2 <= num_rows <= self._decided_rows * 2:
-                return  # not yet time, and the load is what the last probe saw
         self._rows += num_rows
         self._seconds += seconds
         self._steps += 1
         if self._steps < self.window_steps:
             return
-        window = (self._rows / self._seconds, self._rows / self._steps)
+        window = (self._rows / self._seconds, self._rows / self._steps)  # (rows per second, rows per step)
         self._rows = self._seconds = self._steps = 0.0
-        if self._trial_from is None:  # the baseline window ends: try a neighbour
+        if self._trial_from is not None:
+            self._judge(window)
+        elif self._probe_due(window):  # this window is the baseline: try a neighbour
             self._baseline = window
             self._trial_from = self.threads
             self._resize(self._neighbour())
-        else:
-            self._judge(window)
+
+    def _probe_due(self, window: tuple[float, float]) -> bool:
+        """Time for a probe, or the load or the speed moved away from what the last probe saw."""
+        if self._decided is None or self._clock() >= self._next_probe:
+            return True
+        (decided_rate, decided_rows), (rate, rows) = self._decided, window
+        if not decided_rows / 1.5 < rows < decided_rows * 1.5:
+            return True
+        return abs(rows - decided_rows) <= 0.1 * decided_rows and not 0.75 <= rate / decided_rate <= 1.33
 
     def _neighbour(self) -> int:
         wanted = self.threads + self._direction
@@ -146,26 +161,31 @@ half the one the last probe decided at starts a probe at once. Between 1 and ``c
     def _judge(self, trial: tuple[float, float]) -> None:
         (base_rate, base_rows), (rate, rows) = self._baseline, trial
         comparable = abs(rows - base_rows) <= 0.1 * base_rows
-        if comparable:
-            self._decided_rows = rows
-        if comparable and rate > base_rate * (1 + self.min_gain):
+        switched = comparable and rate > base_rate * (1 + self.min_gain)
+        if switched:
             log.info("kernel threads %d -> %d: decode steps of ~%.0f rows run at %.0f rows/s instead of %.0f",
                      self._trial_from, self.threads, rows, rate, base_rate)
         else:
             self._resize(self._trial_from)
+        if comparable:
+            self._decided = trial if switched else self._baseline  # what the kept size decodes at
         self._baseline = self._trial_from = None
         # a probe across a change of load says nothing: try again soon
         self._next_probe = self._clock() + (self.probe_every_s if comparable else self.retry_s)
 
     def _resize(self, threads: int) -> None:
-        if threads != self.threads:
+        self.threads = threads
+        self._apply(threads)
+
+    def _apply(self, threads: int) -> None:
+        if threads != self._applied:
             if self._set_threads is None:
                 import torch
 
                 torch.set_num_threads(threads)
             else:
                 self._set_threads(threads)
-            self.threads = threads
+            self._applied = threads
 
 
 def thread_governor(num_threads: int | None) -> ThreadGovernor | None:

@@ -61,8 +61,7 @@ def make_governor(ceiling: int, step_ms) -> tuple[ThreadGovernor, list[int], Clo
     """A governor whose decode steps take ``step_ms(threads, rows)``; returns it, the sizes it set and
     its clock."""
     sizes, clock = [], Clock()
-    governor = ThreadGovernor(ceiling, probe_every_s=10.0, first_probe_s=2.0, window_steps=4, clock=clock,
-                              set_threads=sizes.append)
+    governor = ThreadGovernor(ceiling, probe_every_s=10.0, window_steps=4, clock=clock, set_threads=sizes.append)
     governor.step_ms = step_ms
     return governor, sizes, clock
 
@@ -77,10 +76,10 @@ def decode(governor: ThreadGovernor, clock: Clock, rows: int, steps: int) -> Non
 def test_governor_keeps_fewer_threads_when_they_decode_faster():
     # one stream through the stack: the second thread loses its core to the gateway and tokenizer
     governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 4.6, 2: 5.9}[threads])
-    decode(governor, clock, 1, 100)  # 0.46 s: no probe before first_probe_s
-    assert sizes == [] and governor.threads == 2
-    decode(governor, clock, 1, 400)
+    decode(governor, clock, 1, 8)  # the first window is the baseline, the second runs on one thread
     assert governor.threads == 1 and sizes == [1]
+    decode(governor, clock, 1, 400)  # 1.8 s: no probe before probe_every_s
+    assert sizes == [1]
     clock.now += 10.0
     decode(governor, clock, 1, 8)  # the next probe tries two again, and goes back
     assert governor.threads == 1 and sizes == [1, 2, 1]
@@ -88,7 +87,6 @@ def test_governor_keeps_fewer_threads_when_they_decode_faster():
 
 def test_governor_keeps_every_thread_when_they_help_and_ignores_other_steps():
     governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 45.0, 2: 26.0}[threads])
-    clock.now = 5.0
     for _ in range(20):
         governor.after_step(300, False, 0.1)  # mixed steps say nothing about decoding
     assert sizes == []
@@ -98,20 +96,17 @@ def test_governor_keeps_every_thread_when_they_help_and_ignores_other_steps():
 
 def test_governor_moves_one_thread_at_a_time_and_needs_a_clear_gain():
     governor, sizes, clock = make_governor(8, lambda threads, rows: 10.0 + abs(threads - 5))
-    clock.now = 2.0
     for _ in range(6):
         decode(governor, clock, 8, 8)
         clock.now += 10.0
     assert governor.threads == 5
     governor, sizes, clock = make_governor(4, lambda threads, rows: 10.0 - 0.2 * threads)  # 2% better: no move
-    clock.now = 2.0
     decode(governor, clock, 8, 8)
     assert governor.threads == 4 and sizes == [3, 4]
 
 
 def test_a_probe_across_a_change_of_batch_size_is_thrown_away():
     governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 2.0, 2: 3.0}[threads])
-    clock.now = 2.0
     decode(governor, clock, 64, 4)  # baseline at 64 rows
     decode(governor, clock, 8, 4)  # the trial saw another load: not comparable
     assert governor.threads == 2 and sizes == [1, 2]
@@ -125,8 +120,29 @@ def test_no_governor_when_the_thread_count_is_fixed():
 def test_a_new_load_starts_a_probe_at_once():
     # one stream decodes faster on one thread, a full batch on two
     governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 4.0 + 0.6 * rows, 2: 5.0 + 0.3 * rows}[threads])
-    clock.now = 2.0
     decode(governor, clock, 1, 8)
     assert governor.threads == 1
     decode(governor, clock, 64, 8)  # well before probe_every_s: the batch grew 64x
     assert governor.threads == 2 and sizes == [1, 2]
+
+
+def test_a_neighbour_slowing_the_same_batch_starts_a_probe_at_once():
+    neighbour = {"busy": False}
+    governor, sizes, clock = make_governor(
+        2, lambda threads, rows: ({1: 5.0, 2: 9.0} if neighbour["busy"] else {1: 4.0, 2: 2.5})[threads])
+    decode(governor, clock, 1, 8)
+    assert governor.threads == 2 and sizes == [1, 2]
+    neighbour["busy"] = True  # a window 3.6x slower, long before probe_every_s
+    decode(governor, clock, 1, 12)
+    assert governor.threads == 1 and sizes == [1, 2, 1]
+
+
+def test_steps_that_prefill_run_on_every_thread():
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 4.0, 2: 6.0}[threads])
+    decode(governor, clock, 1, 8)
+    assert governor.threads == 1 and sizes == [1]
+    governor.before_step(decode_only=True)
+    assert sizes == [1]  # unchanged: nothing to set
+    governor.before_step(decode_only=False)
+    governor.before_step(decode_only=True)
+    assert sizes == [1, 2, 1] and governor.threads == 1
