@@ -18,6 +18,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 from .checkpoints import write_checkpoint
+from .prefill import prefill_requests
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 
@@ -68,17 +69,8 @@ def runners(request, checkpoint, inductor_cache_dir):
 def prefilled_requests(runners: tuple[ModelRunner, ModelRunner], prompt_lens: list[int]
                        ) -> tuple[list[Request], list[list[int]]]:
     """Requests whose prompts (longer than any bucket, so prefilled eager) are in both runners' caches."""
-    requests, tables = [], []
-    for i, length in enumerate(prompt_lens):
-        prompt = [(7 * i + 3 * j) % 500 + 3 for j in range(length)]
-        requests.append(Request(f"r{i}", prompt, SamplingParams(temperature=0.0)))
-        tables.append(list(range(8 * i, 8 * i + 8)))
-    for runner in runners:
-        runner.compute_logits(SchedulerOutput([ScheduledChunk(r, r.num_tokens, t) for r, t in zip(requests, tables)]))
-    for request in requests:
-        request.num_computed_tokens = request.num_tokens
-        request.append_output(5)
-    return requests, tables
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompt_lens))]
+    return prefill_requests(runners, prompt_lens, tables), tables
 
 
 def assert_same_step(runners: tuple[ModelRunner, ModelRunner], step: SchedulerOutput, dtype: torch.dtype) -> None:

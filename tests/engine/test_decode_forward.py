@@ -15,6 +15,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 from .checkpoints import write_checkpoint
+from .prefill import prefill_requests
 
 pytestmark = pytest.mark.skipif(decode_forward._kernel() is None, reason="no C++ compiler for the native kernels")
 
@@ -40,19 +41,14 @@ def make_runner(path, dtype: str) -> ModelRunner:
 
 
 def prefill(runners: list[ModelRunner], prompt_lens: list[int]) -> tuple[list[Request], list[list[int]]]:
-    """Requests whose prompts are in every runner's cache, each with one sampled token to decode."""
-    requests, tables = [], []
-    for i, length in enumerate(prompt_lens):
-        prompt = [(7 * i + 3 * j) % 500 + 3 for j in range(length)]
-        requests.append(Request(f"r{i}", prompt, SamplingParams(temperature=0.0)))
-        first = sum(-(-(n + 4) // BLOCK_SIZE) for n in prompt_lens[:i])
-        tables.append(list(range(first, first + -(-(length + 4) // BLOCK_SIZE))))
-    for runner in runners:
-        runner.compute_logits(SchedulerOutput([ScheduledChunk(r, r.num_tokens, t) for r, t in zip(requests, tables)]))
-    for request in requests:
-        request.num_computed_tokens = request.num_tokens
-        request.append_output(5)
-    return requests, tables
+    """Requests whose prompts are in every runner's cache, each with one sampled token to decode, and
+    their block tables (room for a few more tokens each)."""
+    tables, first = [], 0
+    for length in prompt_lens:
+        num_blocks = -(-(length + 4) // BLOCK_SIZE)
+        tables.append(list(range(first, first + num_blocks)))
+        first += num_blocks
+    return prefill_requests(runners, prompt_lens, tables), tables
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
