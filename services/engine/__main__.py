@@ -1,12 +1,15 @@
 """`python -m services.engine [--model DIR] [--port P] ...` (also `strata engine`)."""
 
 import argparse
+import logging
 
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.engine.engine_args import add_engine_args, config_from_args
 from services.engine.threads import use_openmp_wait_policy
+
+log = logging.getLogger("services.engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between the stats lines logged while there is traffic (throughput, "
                              "running/waiting, KV cache usage, prefix cache hit rate) (default: %(default)s)")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
+    parser.add_argument("--trace-steps", action="store_true",
+                        help="one span per engine step (engine.step: batch size, prefill and decode tokens, step "
+                             "time), linked to the spans of the requests it served; exported where traces are "
+                             "(OTEL_EXPORTER_OTLP_ENDPOINT) (default: off)")
+    parser.add_argument("--trace-steps-sample", type=float, default=1.0, metavar="RATIO",
+                        help="fraction of the steps traced with --trace-steps, in (0, 1] (default: %(default)s)")
     add_tls_args(parser)
     add_logging_args(parser)
     return parser
@@ -42,14 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     use_openmp_wait_policy()  # before the server's imports load torch
     setup_logging(args.log_level, args.log_format, service="strata-engine", instance=args.replica_id)
     config = config_from_args(args)
-    setup_tracing("strata-engine", instance_id=args.replica_id)
-    from services.engine.server import run_server
-
     if args.load_report_interval <= 0 or args.log_stats_interval <= 0:
         raise SystemExit("strata engine: --load-report-interval and --log-stats-interval must be > 0")
+    if not 0 < args.trace_steps_sample <= 1:
+        raise SystemExit(f"strata engine: --trace-steps-sample {args.trace_steps_sample:g} must be in (0, 1]: "
+                         "the fraction of the steps traced")
+    traced = setup_tracing("strata-engine", instance_id=args.replica_id)
+    if args.trace_steps and not traced:
+        log.warning("--trace-steps: no step spans, traces are not exported (set OTEL_EXPORTER_OTLP_ENDPOINT)")
+    from services.engine.server import run_server
+
     run_server(config, args.host, args.port, args.served_model_name or config.model,
                args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval,
-               args.advertise_address, tls, None if args.disable_log_stats else args.log_stats_interval)
+               args.advertise_address, tls, None if args.disable_log_stats else args.log_stats_interval,
+               args.trace_steps_sample if args.trace_steps and traced else None)
     return 0
 
 

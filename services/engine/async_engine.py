@@ -5,6 +5,10 @@ Run the loop on the process's main thread when you can (`run()`, with asyncio in
 on CPU, steps driven from the main thread are ~20% faster, because OpenMP keeps the worker threads
 of the initial thread's team spin-waiting between the many small parallel regions of a step.
 
+With a `StepTracer` (`--trace-steps`), each step that ran gets a span linked to the spans of the
+requests it served: `generate()` registers the request's span context, the loop hands the tracer
+each step before delivering its outputs.
+
 Contract: `generate()` validates at once (raising InvalidRequestError in the caller; ResourceExhaustedError
 when --max-num-seqs + --max-waiting-requests requests are already in), then yields
 the request's outputs until the one with a finish reason. Leaving the iteration early (the caller
@@ -21,11 +25,14 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from opentelemetry.trace import SpanContext
+
 from services.common.errors import InvalidRequestError, ResourceExhaustedError
 from services.engine.engine_core import EngineCore
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SchedulerStats
 from services.engine.scheduler_output import RequestOutput
+from services.engine.step_tracing import StepTracer
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +62,12 @@ class _AbortAll:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, on_step=None) -> None:
+    def __init__(self, core: EngineCore, on_step=None, step_tracer: StepTracer | None = None) -> None:
         """on_step(outputs, stats, step_seconds, num_batched_tokens) is called from the engine thread after every step
-        that ran (metrics, event publishing); it must be quick."""
+        that ran (metrics, event publishing); it must be quick. ``step_tracer``: step spans (None: none made)."""
         self.core = core
         self._on_step = on_step
+        self._step_tracer = step_tracer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -106,7 +114,9 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str = "",
         fairness_key: str = "",
+        span_context: SpanContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """``span_context``: the request's span, which the step spans link to (with a step tracer)."""
         arrival_time = time.monotonic()
         self.core.validate(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
@@ -119,6 +129,8 @@ class AsyncEngine:
                     f"(--max-num-seqs {self.core.config.max_num_seqs} + --max-waiting-requests "
                     f"{self.core.config.max_waiting_requests}); retry later")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        if self._step_tracer is not None and span_context is not None:
+            self._step_tracer.register(request_id, span_context)
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, fairness_key, arrival_time))
         finished = False
         try:
@@ -134,6 +146,8 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
+            if self._step_tracer is not None:
+                self._step_tracer.forget(request_id)
             if not finished:
                 self._inbox.put(_Abort(request_id))
 
@@ -166,13 +180,15 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
+            step_seconds = time.perf_counter() - started
             self._stats = self.core.stats()
+            if self._step_tracer is not None and self.core.last_num_batched_tokens:
+                self._step_tracer.observe(self.core.scheduler.last_output, step_seconds, self._stats.num_waiting)
             for request_id, error in self.core.take_failures().items():
                 self._deliver_error(request_id, error)
             self._deliver(outputs)
             if self._on_step is not None:
-                self._on_step(outputs, self._stats, time.perf_counter() - started,
-                              self.core.last_num_batched_tokens)
+                self._on_step(outputs, self._stats, step_seconds, self.core.last_num_batched_tokens)
 
     def _apply(self, command) -> None:
         if isinstance(command, _Abort):

@@ -77,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.last_output: SchedulerOutput | None = None  # the latest schedule()'s, for step tracing
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -128,7 +129,7 @@ class Scheduler:
         """Pick this step's chunks. Requests preempted here are in ``preempted`` (and back in the
         waiting queue); their blocks may already be given to requests of this same step."""
         kv = self.kv_cache_manager
-        output = SchedulerOutput()
+        output = self.last_output = SchedulerOutput()
         running_per_key = Counter(r.fairness_key for r in self.running) if self.waiting else Counter()
         self._preempt_for_a_new_key(running_per_key, output.preempted)
         num_preempted_for_fairness = len(output.preempted)
@@ -140,6 +141,8 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new_tokens, output.preempted):
                 break  # it was the newest itself, so the rest of the running queue is gone too
             output.chunks.append(ScheduledChunk(request, num_new_tokens, kv.block_ids(request)))
+            if num_new_tokens == 1 and request.output_token_ids:
+                output.num_decode_tokens += 1
             budget -= num_new_tokens
             index += 1
         short_of_blocks = len(output.preempted) > num_preempted_for_fairness

@@ -27,10 +27,16 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # preempted during this schedule() call
+    num_decode_tokens: int = 0  # chunks of one token after a request's prompt: decodes (the rest is prefill)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens, and a preempted request's recomputed tokens."""
+        return self.num_batched_tokens - self.num_decode_tokens
 
     @property
     def is_empty(self) -> bool:

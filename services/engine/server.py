@@ -29,6 +29,7 @@ from services.engine.nats_events import KvEventBuffer, NatsPublisher, publish_lo
 from services.engine.protocol import output_to_proto, sampling_params_from_proto
 from services.engine.request import RequestTimes
 from services.engine.stats_logger import StatsLogger
+from services.engine.step_tracing import StepTracer
 from services.engine.threads import openmp_wait_description, set_num_threads
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                              "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
         first = True
         async for output in engine.generate(request_id, list(request.prompt_token_ids), params, request.cache_salt,
-                                            request.fairness_key):
+                                            request.fairness_key, span.get_span_context()):
             times = output.times
             if first:
                 _add_stage_events(span, times)
@@ -112,11 +113,13 @@ def _add_stage_events(span: trace.Span, times: RequestTimes) -> None:
 def run_server(config: EngineConfig, host: str, port: int, served_model_name: str,
                shutdown_timeout_s: float, metrics_port: int | None, nats_url: str | None = None,
                load_report_interval_s: float = 1.0, advertise_address: str | None = None,
-               tls: TlsFiles | None = None, log_stats_interval_s: float | None = 10.0) -> None:
+               tls: TlsFiles | None = None, log_stats_interval_s: float | None = 10.0,
+               trace_steps_sample: float | None = None) -> None:
     """Serves until SIGTERM/SIGINT. The gRPC server (asyncio) runs in a background thread; this
     (main) thread loads the model and then runs the engine loop (see `AsyncEngine.run`). With
     ``nats_url``, KV events and load reports go to NATS (see `nats_events`); with
-    ``log_stats_interval_s``, a stats line is logged that often while there is traffic (`stats_logger`)."""
+    ``log_stats_interval_s``, a stats line is logged that often while there is traffic (`stats_logger`);
+    with ``trace_steps_sample``, that fraction of the steps get a span (`step_tracing`)."""
     metrics = EngineMetrics(served_model_name)
     stats_logger = StatsLogger(config.replica_id, log_stats_interval_s) if log_stats_interval_s else None
     if metrics_port is not None:
@@ -146,7 +149,9 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     core.warmup()
     if not stopping.is_set():
         observe_step = _both(metrics.observe_step, stats_logger.observe_step) if stats_logger else metrics.observe_step
-        engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step)
+        step_tracer = StepTracer(trace_steps_sample, config.replica_id) if trace_steps_sample else None
+        engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step,
+                             step_tracer=step_tracer)
         servicer.engine = engine
         loop.call_soon_threadsafe(engine_ready.set)
         engine.run()  # until _serve_grpc calls engine.shutdown()
