@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = p.add_argument_group("timeline (recorded with a schedule or --timeline-metrics-url)")
     fleet.add_argument("--timeline-metrics-url", action="append", default=None, metavar="URL",
                        help="Prometheus /metrics to scrape during the run for the autoscaler's replica counts "
-                            "and waiting requests; repeat or comma-separate (default: the target's /metrics)")
+                            "and waiting requests (the autoscaler's, or every engine's: strata up lists them); "
+                            "repeat or comma-separate (default: the target's /metrics)")
     fleet.add_argument("--timeline-interval", type=float, default=1.0, help="seconds between timeline samples")
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (exact output lengths)")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 
 from services.common.tls import TlsFiles
 from services.gateway import chat, completions, errors
@@ -14,7 +15,8 @@ from services.gateway.admission import AdmissionMiddleware
 from services.gateway.drain import Drain
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ErrorBoundaryMiddleware,
-                                         ErrorCountMiddleware, RequestIdMiddleware, TracingMiddleware)
+                                         ErrorCountMiddleware, HttpMetricsMiddleware, RequestIdMiddleware,
+                                         TracingMiddleware)
 from services.gateway.serving import GatewayState, gateway_state
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.upstream import MAX_MESSAGE_BYTES, Upstream
@@ -100,14 +102,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse({**error.body(), **upstreams}, status_code=503)
 
     @app.get("/metrics")
-    async def prometheus_metrics(request: Request) -> Response:
-        upstream = gateway_state(request).upstream
-        load = await upstream.load()
-        model_name = (await upstream.facts()).name if load is not None else ""
-        return Response(metrics.render(load, model_name), media_type=CONTENT_TYPE)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     # Outermost last: the request id covers every response, 401 and 413 included; errors are
-    # counted whoever answers them, the boundary's 500 included; a request is authenticated before
+    # counted and durations observed whoever answers, the boundary's 500 included; a request is authenticated before
     # it takes an admission slot, and refused for overload before its body is read.
     app.add_middleware(ErrorBoundaryMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
@@ -117,6 +116,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(ErrorCountMiddleware, counter=metrics.request_errors)
+    paths = frozenset(route.path for route in [*chat.router.routes, *completions.router.routes, *app.routes]
+                      if isinstance(route, APIRoute))
+    app.add_middleware(HttpMetricsMiddleware, histogram=metrics.http_request_duration, paths=paths)
     app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(ErrorBoundaryMiddleware)  # and once more outermost, for the middleware themselves

@@ -1,12 +1,13 @@
 """HTTP plumbing around every route, as pure ASGI middleware (they never buffer a stream):
 ``x-request-id`` on every response, the request's root trace span (and its ``traceresponse``
-header), API-key auth on ``/v1``, the
-request-body size limit, error counting, and the boundary that turns any exception into a JSON
+header), API-key auth on ``/v1``, the request-body size limit, error counting, request durations,
+and the boundary that turns any exception into a JSON
 answer without dropping the connection."""
 
 import hmac
 import json
 import logging
+import time
 import uuid
 
 from starlette.exceptions import HTTPException
@@ -135,6 +136,52 @@ class ErrorCountMiddleware:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+class HttpMetricsMiddleware:
+    """Observes each request's duration, from its arrival to its response's last byte (a stream's
+    whole length), in ``histogram`` by method, route and status (``0`` when no response began: the
+    client left first). The route is the path template of the route that served the request; for
+    one answered before routing (auth, body size, admission), its path when that is one of
+    ``paths`` (the app's routes), else ``unmatched``, so the label's values stay few."""
+
+    def __init__(self, app: ASGIApp, histogram, paths: frozenset[str]) -> None:
+        self.app = app
+        self._histogram = histogram
+        self._paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        arrival = time.perf_counter()
+        status = 0
+        observed = False
+
+        def observe() -> None:
+            nonlocal observed
+            if not observed:
+                observed = True
+                self._histogram.labels(scope["method"], self._route(scope), str(status)).observe(
+                    time.perf_counter() - arrival)
+
+        async def timing_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                observe()
+
+        try:
+            await self.app(scope, receive, timing_send)
+        finally:
+            observe()
+
+    def _route(self, scope: Scope) -> str:
+        route = scope.get("route")  # set by the router (a path that matched with another method too)
+        if route is not None and getattr(route, "path", None):
+            return route.path
+        return scope["path"] if scope["path"] in self._paths else "unmatched"
 
 
 def _error_type(body: bytes) -> str:

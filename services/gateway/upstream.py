@@ -74,14 +74,6 @@ class Upstream:
                 eos_token_ids=frozenset(tokenizer_info.eos_token_ids))
         return self._facts
 
-    async def load(self) -> engine_pb2.LoadResponse | None:
-        """The engine's current load and cache counters; None when it does not answer in time."""
-        try:
-            return await client_span.call(_ENGINE + "Load", self._addresses["engine"], lambda metadata: self.engine.Load(
-                engine_pb2.LoadRequest(), timeout=2.0, metadata=metadata))
-        except grpc.RpcError:
-            return None
-
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         request = tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens)
         return list((await self._unary("tokenizer", "Encode", request)).token_ids)

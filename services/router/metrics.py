@@ -31,13 +31,15 @@ class RouterMetrics:
                                        "that were not let join (unauthenticated NATS, no address, table full).",
                                        registry=self.registry)
 
-    def forget(self, replica: str) -> None:
-        """Drops a departed replica's series, so that replicas coming and going do not pile up."""
+    def keep_only(self, replicas: set[str]) -> None:
+        """Drops the series of every replica not in ``replicas`` (the names the router knows now): a
+        departed one, and the old name of a renamed one (a replica is named by its address until its
+        Info gives its id, and by a new id when another engine takes its address), so that no
+        stale label set lingers beside the live one."""
         for family in (self.routed, self.failovers, self.healthy, self.in_flight, self.index_blocks):
-            try:
+            exported = {sample.labels["replica"] for metric in family.collect() for sample in metric.samples}
+            for replica in exported - replicas:
                 family.remove(replica)
-            except KeyError:
-                pass
 
     def start_http_server(self, host: str, port: int) -> None:
         start_metrics_server(host, port, self.registry)

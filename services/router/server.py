@@ -181,7 +181,6 @@ async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | N
                     "(set STRATA_NATS_TOKEN); routing to --engine-addrs only", nats_url)
     replicas.on_down = lambda replica: index.forget(replica.replica_id)
     metrics = RouterMetrics()
-    replicas.on_forget = lambda replica: metrics.forget(replica.name)
     replicas.on_refused = lambda report: metrics.refused_reports.inc()
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
@@ -210,6 +209,7 @@ async def _check_and_report(replicas: ReplicaSet, server: GrpcServer, index: Pre
         await asyncio.gather(*(replicas.check(r) for r in list(replicas.replicas.values())))
         await replicas.forget_departed()
         metrics.replicas.set(len(replicas.replicas))
+        metrics.keep_only({replica.name for replica in replicas.replicas.values()})
         for replica in replicas.replicas.values():
             metrics.healthy.labels(replica.name).set(1 if replica.healthy else 0)
             metrics.index_blocks.labels(replica.name).set(index.num_blocks(replica.replica_id))

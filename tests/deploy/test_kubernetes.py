@@ -520,7 +520,7 @@ def test_keda_scales_on_metrics_the_engines_export_with_the_autoscalers_policy(k
         query = trigger["metadata"]["query"]
         names = set(re.findall(r"strata:[A-Za-z0-9_:]+", query))
         assert names and names <= engine_metric_names(), f"{query}: not exported by the engine"
-        # the gateway repeats the fleet's totals under the same names: only the engines' series count
+        # only this namespace's engines' series count
         assert f'{component_label}="{pod_labels(engine)["app.kubernetes.io/component"]}"' in query, query
         assert f'namespace="{NAMESPACE}"' in query, query
         queries[next(iter(names))] = trigger

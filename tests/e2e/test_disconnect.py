@@ -18,7 +18,7 @@ def wait_until_idle(engine, stack, within_s: float = 1.0):
     while True:
         load = engine_load(engine)
         gateway_running = httpx.get(stack.base_url + "/metrics").text.count(
-            f'strata:num_requests_running{{model_name="{MODEL}"}} 0.0')
+            f'strata:gateway_num_requests_running{{model_name="{MODEL}"}} 0.0')
         if (load.num_running, load.num_waiting, load.num_kv_blocks_used, gateway_running) == (0, 0, 0, 1):
             return
         if time.monotonic() > deadline:

@@ -3,6 +3,7 @@ non-streamed answers agree, n choices, usage, logprobs, echo, headers, health an
 
 from collections import defaultdict
 
+import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL, engine_load
@@ -167,15 +168,25 @@ def _metric(text: str, prefix: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-def test_metrics_carry_the_engines_prefix_cache_and_load(http, engine):
+def test_the_gateway_exports_its_own_measures_and_the_engine_its_own(stack, http, engine):
+    """The gateway: its in-flight gauge under its own name and HTTP durations by route and status, and
+    no engine series (an engine's are on the engine's /metrics, which Prometheus scrapes)."""
     prompt = list(range(10, 10 + 64))  # four full blocks of 16
-    hits = 'strata:prefix_cache_hits_total{model_name="strata-tiny-v1",replica="engine-0"}'
-    before = _metric(http.get("/metrics").text, hits)
+    engine_metrics = httpx.get(stack.metrics_urls["engine"], timeout=10)
+    hits = f'strata:prefix_cache_hits_total{{model_name="{MODEL}"}}'
+    before = _metric(engine_metrics.text, hits)
     for _ in range(2):  # the second request finds the first one's blocks
         http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
     text = http.get("/metrics").text
-    assert _metric(text, hits) - before >= 48
+    route = 'strata:http_request_duration_seconds_count{method="POST",route="/v1/completions",status="200"}'
+    assert _metric(text, route) >= 2
+    assert _metric(text, f'strata:gateway_num_requests_running{{model_name="{MODEL}"}}') == 0
+    for name in ("num_requests_running", "num_requests_waiting", "engine_num_requests_running",
+                 "kv_cache_usage_perc", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
+        assert not [line for line in text.splitlines() if line.startswith((f"strata:{name}{{", f"strata:{name}_"))], name
+    engine_text = httpx.get(stack.metrics_urls["engine"], timeout=10).text
+    assert _metric(engine_text, hits) - before >= 48
     load = engine_load(engine)
-    assert _metric(text, 'strata:prefix_cache_hits_total{') == load.prefix_cache_hits
-    assert _metric(text, 'strata:num_preemptions_total{') == load.num_preemptions
-    assert _metric(text, 'strata:kv_cache_usage_perc{') == 0.0
+    assert _metric(engine_text, hits) == load.prefix_cache_hits
+    assert _metric(engine_text, f'strata:num_preemptions_total{{model_name="{MODEL}"}}') == load.num_preemptions
+    assert _metric(engine_text, f'strata:kv_cache_usage_perc{{model_name="{MODEL}"}}') == 0.0

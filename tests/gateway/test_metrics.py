@@ -1,0 +1,67 @@
+"""The gateway's /metrics carries what the gateway measures itself (issue #12, item 3): its own
+in-flight gauge under a gateway name, each HTTP request's duration by method, route template and
+status (a stream's until its last byte), and none of the engines' series, which each engine serves
+on its own /metrics. No upstreams: the app answers these without them."""
+
+import asyncio
+
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from fastapi.testclient import TestClient
+
+from services.gateway.app import GatewayConfig, create_app
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.middleware import HttpMetricsMiddleware
+
+CONFIG = GatewayConfig(tokenizer_addr="127.0.0.1:9", engine_addr="127.0.0.1:9", api_key="sk-test")
+ENGINE_SERIES = ("strata:num_requests_running", "strata:num_requests_waiting", "strata:engine_num_requests_running",
+                 "strata:kv_cache_usage_perc", "strata:prefix_cache_queries", "strata:prefix_cache_hits",
+                 "strata:num_preemptions")
+
+
+def durations(text: str) -> dict[tuple[str, str, str], float]:
+    """(method, route, status) -> observations, from the histogram's _count lines."""
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("strata:http_request_duration_seconds_count{"):
+            labels = dict(pair.split("=") for pair in line[line.index("{") + 1:line.index("}")].split(","))
+            key = tuple(labels[name].strip('"') for name in ("method", "route", "status"))
+            counts[key] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_the_gateway_exports_its_own_measures_and_no_engine_series():
+    with TestClient(create_app(CONFIG)) as client:
+        assert client.post("/v1/chat/completions", json={}).status_code == 401  # refused before routing
+        assert client.get("/v1/models/x").status_code == 401
+        assert client.get("/no/such/path").status_code == 404
+        assert client.put("/metrics").status_code == 405
+        client.get("/metrics")
+        text = client.get("/metrics").text
+    assert durations(text) == {("POST", "/v1/chat/completions", "401"): 1, ("GET", "unmatched", "401"): 1,
+                               ("GET", "unmatched", "404"): 1, ("PUT", "/metrics", "405"): 1,
+                               ("GET", "/metrics", "200"): 1}
+    assert "# TYPE strata:gateway_num_requests_running gauge" in text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("strata:")}
+    for series in ENGINE_SERIES:
+        assert not {name for name in names if name == series or name.startswith(series + "_")}, series
+
+
+def test_a_streams_duration_runs_to_its_last_byte():
+    metrics = GatewayMetrics()
+    app = FastAPI()
+
+    @app.get("/stream/{name}")
+    async def stream(name: str):
+        async def body():
+            for _ in range(3):
+                await asyncio.sleep(0.1)
+                yield b"data: x\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app.add_middleware(HttpMetricsMiddleware, histogram=metrics.http_request_duration, paths=frozenset())
+    with TestClient(app) as client:
+        assert client.get("/stream/a").text == "data: x\n\n" * 3
+    labels = {"method": "GET", "route": "/stream/{name}", "status": "200"}
+    assert metrics.registry.get_sample_value("strata:http_request_duration_seconds_count", labels) == 1
+    assert metrics.registry.get_sample_value("strata:http_request_duration_seconds_sum", labels) >= 0.3
