@@ -1,23 +1,27 @@
 """One request is one trace across gateway, tokenizer, router and engine, exported by each service
 process over OTLP to a real OTLP/gRPC receiver: a CLIENT span for every outgoing call with the
 callee's SERVER span under it, the GenAI conventions on the root, the trace id back to the client
-(``traceresponse``), the client's ``x-request-id`` on every span and log line; and the same stack's
+(``traceresponse``), the client's ``x-request-id`` on every span and log line; under load on one
+seat per engine, a queued request's wait on its engine span and in the engine's queue-time
+histogram, no ERROR span, and step spans linked to the requests they served; and the same stack's
 logs: JSON from every service, the engines' stats lines, and a shutdown without an error or traceback.
 
-The stack (two engines behind a router, NATS) logs in JSON; its last test stops it."""
+The stack (two engines of one seat each, with step spans, behind a router, NATS) logs in JSON; its
+last test stops it."""
 
 import json
 import secrets
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.service_identity import version
 from services.launcher import Stack, StackConfig, StartupError, find_free_port
@@ -26,6 +30,7 @@ from tests.e2e.conftest import MODEL
 GATEWAY, TOKENIZER, ROUTER, ENGINE = "strata-gateway", "strata-tokenizer", "strata-router", "strata-engine"
 ROOT, GENERATE = "POST /v1/chat/completions", "strata.v1.Engine/Generate"
 ENCODE_CHAT, DETOKENIZE = "strata.v1.Tokenizer/EncodeChat", "strata.v1.Tokenizer/Detokenize"
+STEP = "engine.step"
 CLIENT, SERVER = "CLIENT", "SERVER"
 # (service, span name, kind) of one chat request's spans
 EXPECTED = {(GATEWAY, ROOT, SERVER),
@@ -46,6 +51,9 @@ class ExportedSpan:
     attributes: dict
     events: list[str]
     is_error: bool
+    event_times: dict[str, int] = field(default_factory=dict)  # by event name, ns since the epoch
+    links: list[tuple[str, str, dict]] = field(default_factory=list)  # (trace id, span id, attributes)
+    start_ns: int = 0
 
     @property
     def service(self) -> str:
@@ -73,7 +81,10 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                         self._spans.append(ExportedSpan(
                             resource, span.name, trace_pb2.Span.SpanKind.Name(span.kind).removeprefix("SPAN_KIND_"),
                             span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), attributes,
-                            [event.name for event in span.events], span.status.code == span.status.STATUS_CODE_ERROR))
+                            [event.name for event in span.events], span.status.code == span.status.STATUS_CODE_ERROR,
+                            {event.name: event.time_unix_nano for event in span.events},
+                            [(link.trace_id.hex(), link.span_id.hex(), _attributes(link.attributes))
+                             for link in span.links], span.start_time_unix_nano))
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def all_spans(self) -> list[ExportedSpan]:
@@ -91,6 +102,10 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
             time.sleep(0.1)
 
 
+def _attributes(attributes) -> dict:
+    return {a.key: _value(a.value) for a in attributes}
+
+
 def _value(value):
     kind = value.WhichOneof("value")
     if kind == "array_value":
@@ -104,8 +119,8 @@ def traced_stack(default_model_dir, tmp_path_factory):
     # this process breaks the children's gRPC. The services send nothing before the first request.
     port = find_free_port()
     config = StackConfig(model=str(default_model_dir), port=find_free_port(), served_model_name=MODEL, replicas=2,
-                         engine_args=["--max-num-seqs", "4", "--num-kv-blocks", "64", "--enforce-eager",
-                                      "--log-stats-interval", "1"],
+                         engine_args=["--max-num-seqs", "1", "--num-kv-blocks", "64", "--enforce-eager",
+                                      "--log-stats-interval", "1", "--trace-steps"],
                          log_format="json", log_dir=tmp_path_factory.mktemp("traced-logs"),
                          echo_logs=False, startup_timeout_s=120, grace_s=10)
     stack = Stack(config)
@@ -241,9 +256,100 @@ def test_polling_calls_make_no_traces_of_their_own(traced_stack):
     spans = receiver.wait_for({(ROUTER, "strata.v1.Engine/Info", SERVER)}, trace_id)
     assert [s.name for s in spans] == ["strata.v1.Engine/Info"]
     time.sleep(1.5)  # a round of the router's checks, exported
-    roots = [s for s in receiver.all_spans() if not s.parent_id and s.name != ROOT]
+    roots = [s for s in receiver.all_spans() if not s.parent_id and s.name not in (ROOT, STEP)]
     assert not roots, [s.key for s in roots]
     assert not any(s.name.endswith("/health") or s.name == "GET /metrics" for s in receiver.all_spans())
+
+
+def engine_histogram(url: str, name: str) -> dict[str, float]:
+    """An engine's histogram from its /metrics: each bucket's count by ``le``, and ``sum``."""
+    text = httpx.get(url, timeout=10).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == name]
+    values = {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+    values["sum"] = next(s.value for s in family.samples if s.name.endswith("_sum"))
+    return values
+
+
+def test_queued_requests_show_their_wait_make_no_error_and_their_steps_link_to_them(traced_stack):
+    """50 chat requests in bursts of 4 on two engines of one seat each (never past an engine's 1 + 4
+    waiting): in a burst, two share an engine and one of them waits for the other's seat. No span of
+    any of the 50 traces is an ERROR; a request that arrived while another ran on its engine and was
+    scheduled after it shows that wait as its queue time, on its engine span and in the engine's
+    strata:request_queue_time_seconds; each step span (--trace-steps) links to the engine span of the
+    one request it computed, and a request's steps add up to its prompt, then a decode per token."""
+    stack, receiver = traced_stack
+    histogram = "strata:request_queue_time_seconds"
+    urls = {name: stack.metrics_urls[name] for name in ("engine-0", "engine-1")}
+    before = {name: engine_histogram(url, histogram) for name, url in urls.items()}
+    max_tokens = 16
+
+    def one(i: int) -> str:
+        return traceresponse(chat(stack, {}, stream=i % 2 == 0, max_tokens=max_tokens, ignore_eos=True))[0]
+
+    with futures.ThreadPoolExecutor(4) as pool:
+        trace_ids = [trace_id for burst in range(0, 50, 4)
+                     for trace_id in pool.map(one, range(burst, min(burst + 4, 50)))]
+    engine_spans = {}
+    for trace_id in trace_ids:
+        spans = receiver.wait_for(EXPECTED, trace_id)
+        assert EXPECTED <= {s.key for s in spans}, trace_id
+        assert not [s.key for s in spans if s.is_error], trace_id
+        (engine,) = [s for s in spans if s.key == (ENGINE, GENERATE, SERVER)]
+        engine_spans[engine.span_id] = engine
+
+    # the queue: a request that came while another ran on its replica, and was scheduled after it
+    def finished_ns(span) -> float:
+        return span.event_times["first_token"] + span.attributes["strata.decode_time_s"] * 1e9
+
+    waits = [(later, earlier) for later in engine_spans.values() for earlier in engine_spans.values()
+             if later.attributes["strata.replica_id"] == earlier.attributes["strata.replica_id"]
+             and earlier.event_times["scheduled"] < later.event_times["scheduled"]
+             and later.event_times["queued"] < finished_ns(earlier) - 5e6]
+    assert waits, "no request waited for another's seat"
+    for later, earlier in waits:
+        assert later.events == ["queued", "scheduled", "first_token"]
+        queue_s = later.attributes["strata.queue_time_s"]
+        assert (later.event_times["scheduled"] - later.event_times["queued"]) / 1e9 == pytest.approx(queue_s, abs=1e-6)
+        waited_s = (finished_ns(earlier) - later.event_times["queued"]) / 1e9
+        assert queue_s >= waited_s - 0.005  # it waited until the seat was free
+    deadline = time.monotonic() + 10  # an engine counts a request after streaming its last token
+    while True:
+        after = {name: engine_histogram(url, histogram) for name, url in urls.items()}
+        if sum(after[n]["+Inf"] - before[n]["+Inf"] for n in urls) >= 50 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sum(after[n]["+Inf"] - before[n]["+Inf"] for n in urls) == 50
+    assert sum(after[n]["sum"] - before[n]["sum"] for n in urls) == pytest.approx(
+        sum(s.attributes["strata.queue_time_s"] for s in engine_spans.values()), abs=1e-6)
+    longest = max((later for later, _ in waits), key=lambda s: s.attributes["strata.queue_time_s"])
+    replica, waited = longest.attributes["strata.replica_id"], longest.attributes["strata.queue_time_s"]
+    below = [le for le in after[replica] if le not in ("+Inf", "sum") and float(le) < waited]
+
+    def counted_from_its_bucket(values: dict[str, float]) -> float:
+        return values["+Inf"] - (values[max(below, key=float)] if below else 0)
+
+    assert counted_from_its_bucket(after[replica]) - counted_from_its_bucket(before[replica]) >= 1
+
+    # the steps: each links to the one request it computed (one seat), and they add up. An engine
+    # exports a request's step spans before its Generate span (they end first), so they are all in.
+    steps = [s for s in receiver.all_spans() if s.name == STEP and any(link[1] in engine_spans for link in s.links)]
+    tokens = {span_id: [] for span_id in engine_spans}
+    for step in sorted(steps, key=lambda s: s.start_ns):
+        (link,) = step.links
+        trace_id, span_id, attributes = link
+        engine = engine_spans[span_id]
+        assert step.parent_id == "" and step.trace_id != trace_id == engine.trace_id and not step.is_error
+        assert step.resource["service.instance.id"] == engine.attributes["strata.replica_id"]
+        assert step.attributes["strata.step.batch_size"] == 1
+        assert attributes["strata.engine_request_id"] == engine.attributes["strata.engine_request_id"]
+        assert (step.attributes["strata.step.num_prefill_tokens"] + step.attributes["strata.step.num_decode_tokens"]
+                == attributes["strata.step.num_new_tokens"])
+        tokens[span_id].append(attributes["strata.step.num_new_tokens"])
+    for span_id, engine in engine_spans.items():
+        attributes = engine.attributes
+        prompt = attributes["gen_ai.usage.input_tokens"] - attributes["strata.cached_prompt_tokens"]
+        assert attributes["gen_ai.usage.output_tokens"] == max_tokens
+        assert tokens[span_id] == [prompt] + [1] * (max_tokens - 1), attributes["strata.engine_request_id"]
 
 
 def test_every_service_logs_json_and_the_engines_their_stats_lines(traced_stack):
