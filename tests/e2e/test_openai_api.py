@@ -183,7 +183,8 @@ def test_the_gateway_exports_its_own_measures_and_the_engine_its_own(stack, http
     assert _metric(text, f'strata:gateway_num_requests_running{{model_name="{MODEL}"}}') == 0
     for name in ("num_requests_running", "num_requests_waiting", "engine_num_requests_running",
                  "kv_cache_usage_perc", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
-        assert not [line for line in text.splitlines() if line.startswith((f"strata:{name}{{", f"strata:{name}_"))], name
+        series = [line for line in text.splitlines() if line.startswith((f"strata:{name}{{", f"strata:{name}_"))]
+        assert not series, name
     engine_text = httpx.get(stack.metrics_urls["engine"], timeout=10).text
     assert _metric(engine_text, hits) - before >= 48
     load = engine_load(engine)

@@ -72,7 +72,8 @@ def test_each_step_span_links_to_the_requests_it_served(core):
         assert attributes["strata.replica_id"] == "engine-7"
         assert attributes["strata.step.batch_size"] == len(step.links) <= 2
         num_new = [link.attributes["strata.step.num_new_tokens"] for link in step.links]
-        assert attributes["strata.step.num_prefill_tokens"] + attributes["strata.step.num_decode_tokens"] == sum(num_new)
+        num_computed = attributes["strata.step.num_prefill_tokens"] + attributes["strata.step.num_decode_tokens"]
+        assert num_computed == sum(num_new)
         assert attributes["strata.step.num_decode_tokens"] == num_new.count(1)  # tiny prompts: one chunk each
         assert attributes["strata.step.time_s"] == pytest.approx((step.end_time - step.start_time) / 1e9, abs=1e-6)
         assert attributes["strata.step.num_preemptions"] == 0
