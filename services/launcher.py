@@ -148,6 +148,11 @@ class Stack:
         commands = {"tokenizer": [*python, "services.tokenizer", "--model", model_dir,
                                   "--host", "127.0.0.1", "--port", str(tokenizer_port), *config.tokenizer_args]}
         self._checks["tokenizer"] = lambda: _grpc_serving(self.tokenizer_addr, config.tls)
+        tokenizer_metrics_port = _flag_value(config.tokenizer_args, "--metrics-port")
+        if tokenizer_metrics_port is None:
+            tokenizer_metrics_port = str(find_free_port())
+            commands["tokenizer"] += ["--metrics-port", tokenizer_metrics_port]
+        self.metrics_urls["tokenizer"] = f"http://127.0.0.1:{tokenizer_metrics_port}/metrics"
         engine = [*python, "services.engine", "--model", model_dir, "--host", "127.0.0.1",
                   "--served-model-name", self.model_name, *config.engine_args]
         if config.autoscale:

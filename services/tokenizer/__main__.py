@@ -6,6 +6,7 @@ import uvloop
 
 from services.common.default_model import ensure_default_model
 from services.common.logging_setup import add_logging_args, setup_logging
+from services.common.metrics_http import start_metrics_server
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.tokenizer.template_budget import TemplateLimits
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the messages is more (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=4,
                         help="threads that encode, render and decode off the event loop (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: none)")
     parser.add_argument("--shutdown-timeout", type=float, default=60.0,
                         help="seconds open Detokenize streams may take to finish after SIGTERM (default: %(default)s)")
     add_tls_args(parser)
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_tracing("strata-tokenizer")
     tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())
     servicer = TokenizerServicer(tokenizer, args.trust_request_chat_template, args.workers, limits)
+    if args.metrics_port is not None:
+        start_metrics_server(args.host, args.metrics_port, servicer.metrics.registry)
     # grpc.aio on uvloop: less CPU per streamed token
     uvloop.run(serve(tokenizer, args.host, args.port, servicer, tls, args.shutdown_timeout))
     return 0

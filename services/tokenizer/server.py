@@ -21,6 +21,7 @@ from services.common.tls import TlsFiles
 from services.tokenizer.chat_template import DEFAULT_TEMPLATE_LIMITS
 from services.tokenizer.template_budget import MAX_REQUEST_TEMPLATE_CHARS, TemplateLimits
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+from services.tokenizer.metrics import TokenizerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     (`tokenizers` releases the GIL; a template render is bounded by its `TemplateLimits`)."""
 
     def __init__(self, tokenizer: CheckpointTokenizer, trust_request_chat_template: bool = False,
-                 workers: int = 4, limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS) -> None:
+                 workers: int = 4, limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS,
+                 metrics: TokenizerMetrics | None = None) -> None:
         self._tokenizer = tokenizer
+        self.metrics = metrics or TokenizerMetrics()
         self._trust_request_chat_template = trust_request_chat_template
         self._limits = limits
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize")
@@ -43,10 +46,18 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
     async def Encode(self, request, context) -> tokenizer_pb2.EncodeResponse:
-        ids = await self._run(self._tokenizer.encode, request.text, request.add_special_tokens)
+        with self.metrics.answering("Encode"):
+            ids = await self._run(self._tokenizer.encode, request.text, request.add_special_tokens)
+        self.metrics.tokens.labels("encoded").inc(len(ids))
         return tokenizer_pb2.EncodeResponse(token_ids=ids)
 
     async def EncodeChat(self, request, context) -> tokenizer_pb2.EncodeChatResponse:
+        with self.metrics.answering("EncodeChat"):
+            response = await self._encode_chat(request)
+        self.metrics.tokens.labels("encoded").inc(len(response.token_ids))
+        return response
+
+    async def _encode_chat(self, request) -> tokenizer_pb2.EncodeChatResponse:
         own_template = not request.chat_template or request.chat_template in self._tokenizer.chat_templates
         if not own_template and self._trust_request_chat_template \
                 and len(request.chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
@@ -64,21 +75,32 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.EncodeChatResponse(token_ids=ids, prompt_text=text)
 
     async def Decode(self, request, context) -> tokenizer_pb2.DecodeResponse:
-        text = await self._run(self._tokenizer.decode, list(request.token_ids), request.skip_special_tokens)
+        with self.metrics.answering("Decode"):
+            text = await self._run(self._tokenizer.decode, list(request.token_ids), request.skip_special_tokens)
+        self.metrics.tokens.labels("decoded").inc(len(request.token_ids))
         return tokenizer_pb2.DecodeResponse(text=text)
 
     async def Detokenize(self, request_iterator, context) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        detokenizer = None
-        async for request in request_iterator:
-            if detokenizer is None:
-                prefix = list(request.prefix_token_ids)
-                detokenizer = self._tokenizer.detokenizer(request.skip_special_tokens, prefix)
-            delta = detokenizer.step(list(request.token_ids))
-            yield tokenizer_pb2.DetokenizeResponse(text_delta=delta, num_token_ids=detokenizer.num_emitted_ids)
-        if detokenizer is not None:
-            rest = detokenizer.flush()
-            if rest:
-                yield tokenizer_pb2.DetokenizeResponse(text_delta=rest, num_token_ids=detokenizer.num_emitted_ids)
+        self.metrics.detokenize_streams.inc()
+        decoded = self.metrics.tokens.labels("decoded")
+        try:
+            with self.metrics.answering("Detokenize", timed=False):
+                detokenizer = None
+                async for request in request_iterator:
+                    if detokenizer is None:
+                        prefix = list(request.prefix_token_ids)
+                        detokenizer = self._tokenizer.detokenizer(request.skip_special_tokens, prefix)
+                    delta = detokenizer.step(list(request.token_ids))
+                    decoded.inc(len(request.token_ids))
+                    yield tokenizer_pb2.DetokenizeResponse(text_delta=delta,
+                                                           num_token_ids=detokenizer.num_emitted_ids)
+                if detokenizer is not None:
+                    rest = detokenizer.flush()
+                    if rest:
+                        yield tokenizer_pb2.DetokenizeResponse(text_delta=rest,
+                                                               num_token_ids=detokenizer.num_emitted_ids)
+        finally:
+            self.metrics.detokenize_streams.dec()
 
     async def Info(self, request, context) -> tokenizer_pb2.TokenizerInfoResponse:
         tokenizer = self._tokenizer

@@ -15,13 +15,15 @@ from services.autoscaler.metrics import AutoscalerMetrics
 from services.engine.metrics import EngineMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.router.metrics import RouterMetrics
+from services.tokenizer.metrics import TokenizerMetrics
 from tests.deploy.test_compose import PARSE, SERVICES, argv_of
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 DASHBOARD = json.loads((DEPLOY / "grafana" / "dashboards" / "strata.json").read_text())
 PROMETHEUS = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
 REGISTRIES = {"engine": EngineMetrics("m").registry, "router": RouterMetrics().registry,
-              "gateway": GatewayMetrics().registry, "autoscaler": AutoscalerMetrics().registry}
+              "gateway": GatewayMetrics().registry, "autoscaler": AutoscalerMetrics().registry,
+              "tokenizer": TokenizerMetrics().registry}
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",),
             "summary": ("_count", "_sum"), "info": ("_info",)}
 
@@ -46,7 +48,7 @@ def test_prometheus_config_is_valid():
 def test_prometheus_scrapes_each_service_where_it_serves_metrics():
     env = {"STRATA_MODEL": ""}
     jobs = {job["job_name"]: job["static_configs"][0]["targets"] for job in PROMETHEUS["scrape_configs"]}
-    assert set(jobs) == {"gateway", "router", "engine"}
+    assert set(jobs) == {"gateway", "router", "tokenizer", "engine"}
     for job, targets in jobs.items():
         (target,) = targets
         host, port = target.split(":")

@@ -79,14 +79,14 @@ def test_the_container_health_probe(stack):
     assert subprocess.run([*probe, f"127.0.0.1:{find_free_port()}"], timeout=30).returncode == 1
 
 
-def test_every_engine_and_the_router_get_their_own_metrics_port(default_model_dir, tmp_path):
+def test_every_engine_the_router_and_the_tokenizer_get_their_own_metrics_port(default_model_dir, tmp_path):
     config = StackConfig(model=str(default_model_dir), port=find_free_port(), replicas=2,
                          engine_args=["--num-kv-blocks", "64", "--max-num-seqs", "4", "--enforce-eager",
                                       "--metrics-port", "1"],  # one port for two replicas: replaced
                          log_dir=tmp_path / "logs", echo_logs=False, startup_timeout_s=120, grace_s=5)
     with Stack(config) as stack:
-        assert set(stack.metrics_urls) == {"engine-0", "engine-1", "router", "gateway"}
-        assert len(set(stack.metrics_urls.values())) == 4
-        for name in ("engine-0", "engine-1", "router"):
+        assert set(stack.metrics_urls) == {"engine-0", "engine-1", "router", "tokenizer", "gateway"}
+        assert len(set(stack.metrics_urls.values())) == 5
+        for name in ("engine-0", "engine-1", "router", "tokenizer"):
             text = urllib.request.urlopen(stack.metrics_urls[name], timeout=5).read().decode()
             assert "strata:" in text, name

@@ -46,10 +46,13 @@ def strata(checkpoint_dir):
 
 @pytest.fixture(scope="session")
 def default_server(default_model_dir, free_port_factory, tmp_path_factory):
-    """The real service on the built-in model, trusting request templates (tests render their own)."""
+    """The real service on the built-in model, trusting request templates (tests render their own),
+    with its /metrics at ``server.metrics_url``."""
     log_path = tmp_path_factory.mktemp("logs") / "tokenizer-default.log"
+    metrics_port = free_port_factory()
     with tokenizer_server(default_model_dir, free_port_factory(), log_path,
-                          extra_args=("--trust-request-chat-template",)) as server:
+                          extra_args=("--trust-request-chat-template", "--metrics-port", str(metrics_port))) as server:
+        server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield server
 
 

@@ -149,3 +149,36 @@ def _assert_invalid(call, message: str) -> None:
 
 def _assert_still_serving(server) -> None:
     assert list(server.stub.Encode(pb.EncodeRequest(text="still here")).token_ids)
+
+
+def _tokenizer_metrics(server) -> dict[str, float]:
+    """Every ``strata:tokenizer_*`` sample of the server's /metrics, by its line's name and labels."""
+    import urllib.request
+
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("strata:tokenizer_")}
+
+
+def test_metrics_count_calls_outcomes_tokens_and_open_streams(default_server):
+    before = _tokenizer_metrics(default_server)
+    ids = list(default_server.stub.Encode(pb.EncodeRequest(text="hello there world", add_special_tokens=False)).token_ids)
+    default_server.stub.Decode(pb.DecodeRequest(token_ids=ids))
+    with pytest.raises(grpc.RpcError):
+        default_server.stub.Decode(pb.DecodeRequest(token_ids=[10**9]))  # out of the vocabulary
+    replies = list(default_server.stub.Detokenize(iter([pb.DetokenizeRequest(token_ids=ids[:1]),
+                                                        pb.DetokenizeRequest(token_ids=ids[1:])])))
+    assert "".join(r.text_delta for r in replies) == "hello there world"
+    after = _tokenizer_metrics(default_server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('strata:tokenizer_requests_total{outcome="ok",rpc="Encode"}') == 1
+    assert delta('strata:tokenizer_requests_total{outcome="ok",rpc="Decode"}') == 1
+    assert delta('strata:tokenizer_requests_total{outcome="error",rpc="Decode"}') == 1
+    assert delta('strata:tokenizer_requests_total{outcome="ok",rpc="Detokenize"}') == 1
+    assert delta('strata:tokenizer_request_duration_seconds_count{rpc="Encode"}') == 1
+    assert delta('strata:tokenizer_tokens_total{direction="encoded"}') == len(ids)
+    assert delta('strata:tokenizer_tokens_total{direction="decoded"}') == 2 * len(ids)
+    assert after["strata:tokenizer_detokenize_streams"] == 0
