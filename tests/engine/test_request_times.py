@@ -12,13 +12,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.common.pb import engine_pb2
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.sampling_params import SamplingParams
 from services.engine.server import EngineServicer
+
+from .traced_generate import generate_in_a_span
 
 MAX_TOKENS = {"a": 6, "b": 9, "c": 12}  # arrival order
 PROMPTS = {"a": [5, 6, 7], "b": [8, 9, 10, 11], "c": [12, 13, 14, 15, 16]}
@@ -94,11 +95,7 @@ def test_a_queued_requests_engine_span_has_its_stages_in_order(core):
     tracer = provider.get_tracer("test")
 
     async def consume(request_id):
-        request = engine_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=PROMPTS[request_id],
-            stop=engine_pb2.StopCriteria(max_tokens=MAX_TOKENS[request_id], ignore_eos=True))
-        with tracer.start_as_current_span("strata.v1.Engine/Generate"):  # as grpc_server's interceptor does
-            return [response async for response in servicer.Generate(request, None)]
+        return await generate_in_a_span(servicer, tracer, request_id, PROMPTS[request_id], MAX_TOKENS[request_id])
 
     run_all_queued(engine, consume)
     spans = {span.attributes["strata.engine_request_id"]: span for span in exporter.get_finished_spans()}

@@ -12,7 +12,6 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from services.common.pb import engine_pb2
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
@@ -21,6 +20,8 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from services.engine.server import EngineServicer
 from services.engine.step_tracing import STEP_SPAN_NAME, StepTracer
+
+from .traced_generate import generate_in_a_span
 
 MAX_TOKENS = {"a": 4, "b": 7, "c": 5}  # arrival order; c waits for a's seat
 PROMPTS = {"a": [5, 6, 7], "b": [8, 9, 10, 11], "c": [12, 13, 14, 15, 16]}
@@ -43,11 +44,7 @@ def test_each_step_span_links_to_the_requests_it_served(core):
     servicer.engine, servicer.accepting = engine, True
 
     async def consume(request_id):
-        request = engine_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=PROMPTS[request_id],
-            stop=engine_pb2.StopCriteria(max_tokens=MAX_TOKENS[request_id], ignore_eos=True))
-        with tracer.start_as_current_span("strata.v1.Engine/Generate"):  # as grpc_server's interceptor does
-            return [response async for response in servicer.Generate(request, None)]
+        return await generate_in_a_span(servicer, tracer, request_id, PROMPTS[request_id], MAX_TOKENS[request_id])
 
     async def run():
         tasks = [asyncio.create_task(consume(request_id)) for request_id in MAX_TOKENS]
