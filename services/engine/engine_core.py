@@ -122,12 +122,12 @@ class EngineCore:
         self.last_num_batched_tokens = scheduler_output.num_batched_tokens
         if scheduler_output.is_empty:
             return []
-        decode_only = scheduler_output.num_batched_tokens == len(scheduler_output.chunks)
         if self.threads is not None:
-            self.threads.before_step(decode_only)
+            self.threads.before_step(scheduler_output.one_token_each)
         runner_output = self._execute_isolating(scheduler_output.chunks)
         if self.threads is not None:
-            self.threads.after_step(len(scheduler_output.chunks), decode_only, time.perf_counter() - started)
+            self.threads.after_step(len(scheduler_output.chunks), scheduler_output.one_token_each,
+                                    time.perf_counter() - started)
         step_request_ids = [chunk.request.request_id for chunk in scheduler_output.chunks]
         try:
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)  # skips the failed

@@ -71,9 +71,8 @@ class EngineMetrics:
     def observe_step(self, outputs: list[RequestOutput], stats: SchedulerStats, step_seconds: float,
                      num_batched_tokens: int = 0) -> None:
         for output in outputs:
-            num_new = len(output.new_token_ids)
-            self.generation_tokens.inc(num_new)
-            if num_new and output.num_output_tokens == num_new:
+            self.generation_tokens.inc(len(output.new_token_ids))
+            if output.is_first:
                 self.prompt_tokens.inc(output.num_prompt_tokens)
             times = output.times
             if times.inter_token_s is not None:

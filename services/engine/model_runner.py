@@ -109,7 +109,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return [], torch.empty(0, self.vocab_size)
         num_tokens = scheduler_output.num_batched_tokens
-        if self.decode_step is not None and num_tokens == len(scheduler_output.chunks) <= NATIVE_MAX_ROWS:
+        if self.decode_step is not None and scheduler_output.one_token_each and num_tokens <= NATIVE_MAX_ROWS:
             batch = self._prepare(scheduler_output.chunks)  # one token each: a decode step, in one native call
             md = batch.metadata
             hidden = self.decode_step(batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)

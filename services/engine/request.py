@@ -3,6 +3,7 @@
 import enum
 import time
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 from services.engine.sampling_params import SamplingParams
@@ -37,8 +38,7 @@ class RequestTimes:
     finished: float | None = None
 
     def copy(self) -> "RequestTimes":
-        return RequestTimes(self.arrival, self.first_scheduled, self.first_token, self.previous_token,
-                            self.last_token, self.finished)
+        return dataclasses.replace(self)
 
     @property
     def queue_s(self) -> float | None:

@@ -42,6 +42,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def one_token_each(self) -> bool:
+        """Every chunk has one new token: a decode step, as the model sees it (the native decode step's
+        and the thread governor's rule)."""
+        return self.num_batched_tokens == len(self.chunks)
+
 
 @dataclass
 class SampledLogprobs:
@@ -79,3 +85,8 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this output carries the request's first tokens (when its prompt counts as served)."""
+        return bool(self.new_token_ids) and self.num_output_tokens == len(self.new_token_ids)

@@ -38,9 +38,8 @@ class StatsLogger:
     def observe_step(self, outputs: list[RequestOutput], *_) -> None:
         prompt = generation = 0
         for output in outputs:
-            num_new = len(output.new_token_ids)
-            generation += num_new
-            if num_new and output.num_output_tokens == num_new:
+            generation += len(output.new_token_ids)
+            if output.is_first:
                 prompt += output.num_prompt_tokens
         with self._lock:
             self._num_prompt_tokens += prompt
