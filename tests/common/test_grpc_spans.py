@@ -114,6 +114,14 @@ def test_a_call_in_a_trace_is_a_client_span_over_the_servers_span(exporter):
     assert line["span_id"] == format(server.context.span_id, "016x")
 
 
+async def until(condition, timeout_s: float = 5.0) -> None:
+    """Returns once ``condition()`` holds; fails after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
 def test_a_failed_call_marks_both_spans_and_outside_a_trace_there_is_no_client_span(exporter):
     exporter.clear()
 
@@ -129,7 +137,9 @@ def test_a_failed_call_marks_both_spans_and_outside_a_trace_there_is_no_client_s
             await call.read()
             call.cancel()
         await asyncio.wait_for(servicer.closed.wait(), 5)
-        await asyncio.sleep(0.1)  # the client span's status is read by a task
+        # the client span ends once a task has read the call's status, the server's once its stream is closed
+        await until(lambda: {(s.name, s.kind) for s in exporter.get_finished_spans()}
+                    >= {(LOAD, SpanKind.CLIENT), (GENERATE, SpanKind.SERVER)})
 
     serve_and(scenario)
     spans = exporter.get_finished_spans()
