@@ -15,7 +15,7 @@ without waiting for the next health check; one that joined by publishing is forg
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -44,6 +44,7 @@ class Replica:
     in_flight: int = 0  # this router's requests running there
     static: bool = False  # given at start (kept while down) rather than joined by a load report
     down_since: float | None = None  # monotonic time it stopped being healthy (or was added)
+    unresponsive: asyncio.Event = field(default_factory=asyncio.Event)  # its health check failed; renewed when healthy
 
     @classmethod
     def connect(cls, address: str, tls: TlsFiles | None = None) -> "Replica":
@@ -112,7 +113,11 @@ class ReplicaSet:
     def by_replica_id(self, replica_id: str) -> Replica | None:
         return next((r for r in self.replicas.values() if r.replica_id == replica_id), None)
 
-    def mark_down(self, replica: Replica, reason: str) -> None:
+    def mark_down(self, replica: Replica, reason: str, unresponsive: bool = False) -> None:
+        """Out of routing. ``unresponsive``: it answers nothing (paused, partitioned), so the requests waiting
+        for its first output go elsewhere; a draining one still serves what it accepted."""
+        if unresponsive:
+            replica.unresponsive.set()
         if replica.healthy:
             log.warning("engine replica %s (%s) is down: %s", replica.name, replica.address, reason)
             replica.healthy = False
@@ -149,11 +154,11 @@ class ReplicaSet:
                 replica.num_waiting = load.num_waiting
                 replica.load_at = time.monotonic()
         except grpc.aio.AioRpcError as error:
-            self.mark_down(replica, f"{error.code().name}: {error.details()}")
+            self.mark_down(replica, f"{error.code().name}: {error.details()}", unresponsive=True)
             return
         if not replica.healthy:
             log.info("engine replica %s (%s) is serving", replica.name, replica.address)
-            replica.healthy, replica.down_since = True, None
+            replica.healthy, replica.down_since, replica.unresponsive = True, None, asyncio.Event()
 
     async def close(self) -> None:
         await asyncio.gather(*(r.channel.close() for r in self.replicas.values()))

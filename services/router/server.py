@@ -3,7 +3,8 @@ whether one engine or a fleet answers.
 
 ``Generate`` hashes the prompt's blocks as the engines do, asks the policy for a replica, and relays
 that replica's stream. If the replica fails before the first output (UNAVAILABLE: down, draining,
-unreachable; it is marked down) or refuses it for a full queue (RESOURCE_EXHAUSTED), the request goes
+unreachable; it is marked down), stops answering its health checks while the request waits for that
+output (hung: paused, partitioned), or refuses it for a full queue (RESOURCE_EXHAUSTED), the request goes
 to another, up to ``max_attempts`` replicas (all full: RESOURCE_EXHAUSTED);
 after the first output an error is the client's to see. An engine's own refusal (INVALID_ARGUMENT,
 ...) is passed on as it is. ``Info`` is a healthy replica's (with the router's id); ``Load`` sums the
@@ -38,6 +39,27 @@ GENERATE, LOAD = f"{SERVICE_NAME}/Generate", f"{SERVICE_NAME}/Load"
 POLICIES = ("cache-aware", "round-robin")  # policy.py; round-robin: the baseline, blind to caches and load
 _RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)  # before the first output
 _DOWN_ON = (grpc.StatusCode.UNAVAILABLE,)  # RESOURCE_EXHAUSTED: a full queue, not a dead replica
+
+
+class ReplicaUnresponsive(Exception):
+    """The replica's health check failed while an attempt waited for its first output."""
+
+
+async def _first_output(call, replica: Replica):
+    """The call's first message (or EOF), unless the replica's health check fails first: a hung replica
+    (paused, partitioned) answers neither the request nor its health checks, and the request must not wait
+    for it forever."""
+    read = asyncio.ensure_future(call.read())
+    down = asyncio.ensure_future(replica.unresponsive.wait())
+    try:
+        await asyncio.wait((read, down), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        down.cancel()
+        if not read.done():
+            read.cancel()
+    if not read.done() or read.cancelled():
+        raise ReplicaUnresponsive(replica.address)
+    return read.result()
 
 
 class RouterServicer(engine_pb2_grpc.EngineServicer):
@@ -99,12 +121,21 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 request, timeout=self.request_timeout_s, metadata=metadata))
             relayed = False
             try:
-                async for output in call:
+                output = await _first_output(call, replica)
+                while output is not grpc.aio.EOF:
                     relayed = True
                     yield output
                     if output.finish_reason:  # done: not waiting for the stream's end, which the caller
                         return  # may cancel as soon as it has this last message
+                    output = await call.read()
                 return
+            except ReplicaUnresponsive:  # hung (paused, partitioned): its health check failed while we waited
+                span.add_event("attempt failed", {"strata.router.replica": replica.name,
+                                                  "strata.router.error": "unresponsive before its first output"})
+                self.metrics.failovers.labels(replica.name).inc()
+                log.warning("request %s: replica %s stopped answering health checks before its first output; "
+                            "trying another",
+                            request.request_id, replica.name)
             except grpc.aio.AioRpcError as error:
                 span.add_event("attempt failed", {"strata.router.replica": replica.name,
                                                   "rpc.grpc.status_code": error.code().value[0],

@@ -1,8 +1,11 @@
 """The router as a real process in front of two engine processes, following their KV events on a
 real NATS server: a prompt's prefix pulls its requests to the replica that cached it, distinct
 requests spread over both, an engine's refusal passes through as it is, and when a replica dies
-its requests go to the other one without the client seeing an error."""
+its requests go to the other one without the client seeing an error, also when it hangs (paused)
+rather than dies."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -124,6 +127,31 @@ def test_an_engines_refusal_passes_through(fleet):
     with pytest.raises(grpc.RpcError) as error:
         list(router.stub.Generate(generate_request("bad", [999_999], 2), timeout=10))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in error.value.details()
+
+
+def test_a_request_waiting_on_a_hung_replica_moves_when_its_health_checks_fail(fleet, tmp_path, free_port_factory):
+    router, engines = fleet
+    watcher = RouterProcess(free_port_factory(), [e.address for e in engines.values()], router.nats_url,
+                            tmp_path / "watcher.log", free_port_factory(), check_interval_s=0.2,
+                            extra_args=("--policy", "round-robin"))
+    try:
+        watcher.wait_serving()
+        deadline = time.monotonic() + 20
+        while watcher.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5).num_kv_blocks < 512:
+            assert time.monotonic() < deadline, watcher.log_path.read_text()
+            time.sleep(0.1)
+        hung = engines["e1"].process
+        os.kill(hung.pid, signal.SIGSTOP)  # it holds its connections but answers nothing
+        try:
+            # Round robin sends one of the first two there before a health check (1 s timeout) fails;
+            # that request must move to e0 then, not wait on the paused process.
+            served = [served_by(watcher, f"h{i}", [700 + i] * 20) for i in range(4)]
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+        assert served == ["e0"] * 4
+        assert metric_values(watcher)['strata:router_failovers_total{replica="e1"}'] == 1
+    finally:
+        watcher.close()
 
 
 def test_requests_go_on_when_a_replica_dies(fleet):
