@@ -118,6 +118,8 @@ def _engine_argv(config) -> list[str]:
         argv += ["--num-threads", str(config.num_threads)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if config.stream_interval != 1:
+        argv += ["--stream-interval", str(config.stream_interval)]
     return argv
 
 

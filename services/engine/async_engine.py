@@ -11,7 +11,9 @@ each step before delivering its outputs.
 
 Contract: `generate()` validates at once (raising InvalidRequestError in the caller; ResourceExhaustedError
 when --max-num-seqs + --max-waiting-requests requests are already in), then yields
-the request's outputs until the one with a finish reason. Leaving the iteration early (the caller
+the request's outputs until the one with a finish reason: the first token at once, then one output per
+``--stream-interval`` tokens (as vLLM's flag: fewer messages through the stack per token; 1: every step),
+and the finish. Leaving the iteration early (the caller
 is cancelled or closes it) aborts the request, which frees its KV blocks.
 """
 
@@ -76,6 +78,7 @@ class AsyncEngine:
         self._started = False
         waiting = core.config.max_waiting_requests
         self.max_active = None if waiting == -1 else core.config.max_num_seqs + waiting  # admission bound
+        self.stream_interval = core.config.stream_interval
 
     def start(self) -> None:
         """Runs the engine loop in a background thread."""
@@ -132,16 +135,22 @@ class AsyncEngine:
         if self._step_tracer is not None and span_context is not None:
             self._step_tracer.register(request_id, span_context)
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, fairness_key, arrival_time))
-        finished = False
+        finished, held, sent_any = False, None, False
         try:
             while not finished:
                 item = await stream.get()
+                if held is not None:
+                    item, held = _merge(held, item), None
                 while isinstance(item, RequestOutput) and not item.finished and not stream.empty():
                     item = _merge(item, stream.get_nowait())  # a slow consumer gets fewer, bigger outputs
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
+                if not finished and sent_any and len(item.new_token_ids) < self.stream_interval:
+                    held = item  # --stream-interval: the first token at once, then every N tokens, and the last
+                    continue
+                sent_any = sent_any or bool(item.new_token_ids)
                 yield item
         finally:
             with self._lock:

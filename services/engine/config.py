@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int = 0  # seeds the engine's random generator for requests without a seed
     enforce_eager: bool = False  # run the model op by op: no compiled decode graphs (as vLLM's flag)
     num_threads: int | None = None  # CPU threads of the model's kernels, fixed; None: adapted (threads.ThreadGovernor)
+    stream_interval: int = 1  # tokens per streamed output after the first (as vLLM's --stream-interval)
     # Requests that may wait beyond a full running batch before new ones are refused (RESOURCE_EXHAUSTED);
     # None: 4 x max_num_seqs, so the last in line waits about four batch turnovers; -1: unbounded.
     max_waiting_requests: int | None = None
@@ -41,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.max_waiting_requests is None:
             self.max_waiting_requests = 4 * self.max_num_seqs
         if self.max_waiting_requests < -1:

@@ -38,6 +38,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int,
                         help="CPU threads for the model's kernels, fixed (default: adapted to the load between one "
                              "and OMP_NUM_THREADS or the cores this process may use, by timing decode steps)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens per streamed output after the first one (which goes at once) and before the last: "
+                             "1 streams every token as it is made; larger values send fewer, bigger messages through "
+                             "the stack, which leaves more CPU to the model under load (default: %(default)s)")
 
 
 def model_dir_from_args(args: argparse.Namespace) -> str:
@@ -59,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
             prefix_cache_hash_seed=args.prefix_cache_hash_seed, max_logprobs=args.max_logprobs,
             attention_backend=args.attention_backend, replica_id=args.replica_id, seed=args.seed,
-            enforce_eager=args.enforce_eager, num_threads=args.num_threads,
+            enforce_eager=args.enforce_eager, num_threads=args.num_threads, stream_interval=args.stream_interval,
             max_waiting_requests=args.max_waiting_requests,
         )
     except ValueError as exc:
