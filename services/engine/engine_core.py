@@ -31,6 +31,7 @@ class EngineCore:
         self.max_model_len = self.model_runner.max_model_len
         self.vocab_size = self.model_runner.vocab_size
         self.eos_token_ids = tuple(self.model_runner.eos_token_ids)
+        self.structured_output = self.model_runner.structured_output
         self.scheduler = Scheduler(
             config,
             num_kv_blocks=self.model_runner.num_kv_blocks,
@@ -72,6 +73,8 @@ class EngineCore:
         if bad_stop:
             raise InvalidRequestError(f"stop_token_ids: token id {bad_stop[0]} is out of range "
                                       f"(vocabulary of {self.vocab_size})")
+        if params.structured_output is not None:
+            self.structured_output.check(params.structured_output)  # compiled (and cached) here
 
     def add_request(
         self,
@@ -87,6 +90,8 @@ class EngineCore:
         self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                           cache_salt=cache_salt, arrival_time=arrival_time, fairness_key=fairness_key)
+        if params.structured_output is not None:
+            request.grammar = self.structured_output.matcher(params.structured_output)
         self.scheduler.add_request(request)
         return request
 

@@ -5,6 +5,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.metrics_http import start_metrics_server
 from services.engine.scheduler import SchedulerStats
 from services.engine.scheduler_output import RequestOutput
+from services.engine.structured_output.grammars import GrammarStats
+from services.engine.structured_output.masks import MaskStats
 
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # vLLM's: its request latency buckets for the decode and inference times; its time-to-first-token
@@ -17,6 +19,7 @@ _FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0
 _INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                         20.0, 40.0, 80.0)
 _LENGTH_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # 1 .. 5,000,000 tokens
+_GRAMMAR_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class EngineMetrics:
@@ -62,11 +65,33 @@ class EngineMetrics:
                                                _LENGTH_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per finished "
                                                    "request.", _LENGTH_BUCKETS)
+        # Structured output: compilations (a cache hit compiles nothing), and per step with constrained
+        # requests the time filling their masks and the part of it the step waited for after the forward.
+        self.grammar_compile_time = histogram("structured_output_compile_seconds", "Time to compile a "
+                                              "structured-output constraint (cache misses).", _GRAMMAR_BUCKETS)
+        self.grammar_cache_queries = counter("structured_output_cache_queries", "Structured-output constraints "
+                                             "looked up in the compiled-grammar cache.").labels(model_name)
+        self.grammar_cache_hits = counter("structured_output_cache_hits", "Structured-output constraints found "
+                                          "compiled in the cache.").labels(model_name)
+        self.mask_fill_time = histogram("structured_output_mask_seconds", "Time filling the token masks of one "
+                                        "step's constrained requests (while the model runs).", _GRAMMAR_BUCKETS)
+        self.mask_wait_time = histogram("structured_output_mask_wait_seconds", "Time a step waited for its "
+                                        "token masks after the model ran.", _GRAMMAR_BUCKETS)
         self.model_name = model_name
         self._last: SchedulerStats | None = None
 
     def start_http_server(self, host: str, port: int) -> None:
         start_metrics_server(host, port, self.registry)
+
+    def observe_structured_output(self, grammars: GrammarStats, masks: MaskStats) -> None:
+        for seconds in grammars.compile_seconds:
+            self.grammar_compile_time.observe(seconds)
+        self.grammar_cache_queries.inc(grammars.cache_queries)
+        self.grammar_cache_hits.inc(grammars.cache_hits)
+        for seconds in masks.fill_seconds:
+            self.mask_fill_time.observe(seconds)
+        for seconds in masks.wait_seconds:
+            self.mask_wait_time.observe(seconds)
 
     def observe_step(self, outputs: list[RequestOutput], stats: SchedulerStats, step_seconds: float,
                      num_batched_tokens: int = 0) -> None:

@@ -17,6 +17,8 @@ from services.engine.request import Request
 from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from services.engine.structured_output.manager import StructuredOutputManager
+from services.engine.structured_output.masks import StepMasks
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class ModelRunner:
                            torch.zeros(pool_shape, dtype=self.dtype, device=self.device))
                           for _ in range(mc.num_layers)]
         self.sampler = Sampler(mc.vocab_size, self.device, config.seed)
+        self.structured_output = StructuredOutputManager(config.model, mc.vocab_size, mc.eos_token_ids)
         self.is_captured = False  # whether steps run the compiled graphs (after warmup)
         self.decode_step = self._native_decode_step()
 
@@ -74,25 +77,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        masks = self.structured_output.start_masks(scheduler_output.chunks)  # filled while the model runs
         requests, logits = self.compute_logits(scheduler_output)
         output = ModelRunnerOutput()
         if not requests:
             return output
         try:
-            tokens, logprobs = self.sampler(logits, requests)
+            tokens, logprobs = self.sampler(logits, requests, masks)
         except Exception:  # find the request(s) at fault: sample each alone; the others go on
-            return self._sample_one_by_one(logits, requests)
+            return self._sample_one_by_one(logits, requests, masks)
         for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
             output.sampled_token_ids[request.request_id] = token
             if logprob is not None:
                 output.logprobs[request.request_id] = logprob
         return output
 
-    def _sample_one_by_one(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
+    def _sample_one_by_one(self, logits: torch.Tensor, requests: list[Request],
+                           masks: StepMasks | None) -> ModelRunnerOutput:
         output = ModelRunnerOutput()
         for row, request in enumerate(requests):
             try:
-                (token,), (logprob,) = self.sampler(logits[row:row + 1], [request])
+                (token,), (logprob,) = self.sampler(logits[row:row + 1], [request], masks)
             except Exception as error:
                 log.exception("request %s failed in sampling; the rest of its batch goes on", request.request_id)
                 output.failed[request.request_id] = error

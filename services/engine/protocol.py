@@ -3,6 +3,7 @@
 from services.common.pb import engine_pb2
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import RequestOutput, SampledLogprobs
+from services.engine.structured_output.constraint import constraint_from_proto
 
 _FINISH_REASONS = {
     None: engine_pb2.FINISH_REASON_UNSPECIFIED,
@@ -34,6 +35,7 @@ def sampling_params_from_proto(request: engine_pb2.GenerateRequest) -> SamplingP
         min_tokens=stop.min_tokens,
         stop_token_ids=tuple(stop.stop_token_ids),
         ignore_eos=stop.ignore_eos,
+        structured_output=constraint_from_proto(request.structured_output),
     )
 
 

@@ -105,6 +105,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
         self.num_preemptions = 0
+        # Structured output: its llguidance matcher, advanced by the scheduler with each token it
+        # accepts (a preempted request keeps its tokens, so the matcher stays where it was); None: free.
+        self.grammar = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """Batched sampling for the requests that sample in a step.
 
 Order, as in vLLM: raw logits → (logprobs of the raw distribution) → min_tokens eos/stop mask →
-repetition, frequency and presence penalties → logit_bias → greedy argmax, or temperature → min_p →
+repetition, frequency and presence penalties → logit_bias → the structured-output mask (tokens that
+would break a request's constraint) → greedy argmax, or temperature → min_p →
 top_k → top_p → a draw. Draws use the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), so a
 request with a seed draws its noise only from its own ``torch.Generator``: the same seed gives the
 same tokens alone or in any batch. The sampler owns those generators, keyed by request id; the
@@ -13,6 +14,7 @@ import torch
 
 from services.engine.request import Request
 from services.engine.scheduler_output import SampledLogprobs
+from services.engine.structured_output.masks import StepMasks
 
 
 class Sampler:
@@ -25,9 +27,10 @@ class Sampler:
     def free(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]
+    def __call__(self, logits: torch.Tensor, requests: list[Request], masks: StepMasks | None = None
                  ) -> tuple[list[int], list[SampledLogprobs | None]]:
         """``logits: [n, vocab]`` float32, row i for ``requests[i]`` → (token ids, logprobs or None per row).
+        ``masks``: the step's structured-output masks (`structured_output.masks`), if any request has one.
 
         A call that raises leaves every seeded request's generator as it found it, so sampling the
         rows again (each alone, to find the request at fault) draws the same tokens a call without
@@ -35,7 +38,7 @@ class Sampler:
         saved = {r.request_id: generator.get_state() for r in requests
                  if (generator := self.request_generators.get(r.request_id)) is not None}
         try:
-            return self._sample(logits, requests)
+            return self._sample(logits, requests, masks)
         except Exception:
             for request in requests:
                 state = saved.get(request.request_id)
@@ -45,13 +48,16 @@ class Sampler:
                     self.request_generators[request.request_id].set_state(state)
             raise
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]
+    def _sample(self, logits: torch.Tensor, requests: list[Request], masks: StepMasks | None
                 ) -> tuple[list[int], list[SampledLogprobs | None]]:
         params = [r.sampling_params for r in requests]
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self.process_logits(logits, requests)
+        processed = self.process_logits(logits, requests)
+        if masks is not None:
+            masks.apply(processed, requests, unprocessed=logits)
+        logits = processed
         tokens = self._draw(logits, requests)
         token_list = tokens.tolist()
         if raw_logprobs is None:

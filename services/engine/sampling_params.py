@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from services.common.errors import InvalidRequestError
+from services.engine.structured_output.constraint import Constraint
 
 
 SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (dividing by it would overflow the logits)
@@ -28,6 +29,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured_output: Constraint | None = None  # a JSON schema, regex, choice or grammar the output keeps to
 
     def __post_init__(self) -> None:
         floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,

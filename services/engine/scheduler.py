@@ -25,6 +25,7 @@ The engine loop calls ``schedule()``, runs the model on the result, and hands wh
 ``add_request`` and ``abort_request`` from the engine loop, between steps.
 """
 
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from services.engine.scheduler_output import (
     ScheduledChunk,
     SchedulerOutput,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,9 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             token_id = model_runner_output.sampled_token_ids[request.request_id]
             request.append_output(token_id)
+            if request.grammar is not None and not request.grammar.consume_token(token_id):
+                log.error("request %s: token %d breaks its structured-output constraint (%s); it stops here",
+                          request.request_id, token_id, request.grammar.get_error())
             times = request.times
             times.previous_token, times.last_token = times.last_token, now
             if times.first_token is None:
@@ -216,8 +222,12 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """Stop tokens (EOS unless ignore_eos, then stop_token_ids) count only once min_tokens
-        outputs exist, and win over the length limits when both hold for the same token."""
+        outputs exist, and win over the length limits when both hold for the same token. A request
+        with a structured-output constraint stops as soon as the constraint is complete (nothing
+        may follow), and also if its matcher refuses the token (which its mask never lets happen)."""
         params = request.sampling_params
+        if request.grammar is not None and request.grammar.is_stopped():  # also true in its error state
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/engine.proto\x12\tstrata.v1\"\xe6\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.strata.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"b\n\x0cStopCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xbd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x17.strata.v1.StopCriteria\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61irness_key\x18\x06 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"w\n\x0fSampledLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.strata.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x14\n\x0csampled_rank\x18\x03 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.strata.v1.SampledLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\x13\n\x11\x45ngineInfoRequest\"\xf0\x01\n\x12\x45ngineInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\r\"\r\n\x0bLoadRequest\"\xd7\x01\n\x0cLoadResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcd\x01\n\x06\x45ngine\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12\x43\n\x04Info\x12\x1c.strata.v1.EngineInfoRequest\x1a\x1d.strata.v1.EngineInfoResponse\x12\x37\n\x04Load\x12\x16.strata.v1.LoadRequest\x1a\x17.strata.v1.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/engine.proto\x12\tstrata.v1\"\xe6\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.strata.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"b\n\x0cStopCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x17.strata.v1.StopCriteria\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61irness_key\x18\x06 \x01(\t\x12\x36\n\x11structured_output\x18\x07 \x01(\x0b\x32\x1b.strata.v1.StructuredOutput\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.strata.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"w\n\x0fSampledLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.strata.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x14\n\x0csampled_rank\x18\x03 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.strata.v1.SampledLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\x13\n\x11\x45ngineInfoRequest\"\xf0\x01\n\x12\x45ngineInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\r\"\r\n\x0bLoadRequest\"\xd7\x01\n\x0cLoadResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcd\x01\n\x06\x45ngine\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12\x43\n\x04Info\x12\x1c.strata.v1.EngineInfoRequest\x1a\x1d.strata.v1.EngineInfoResponse\x12\x37\n\x04Load\x12\x16.strata.v1.LoadRequest\x1a\x17.strata.v1.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1809
-  _globals['_FINISHREASON']._serialized_end=1929
+  _globals['_FINISHREASON']._serialized_start=2042
+  _globals['_FINISHREASON']._serialized_end=2162
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=524
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=342
@@ -43,23 +43,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPCRITERIA']._serialized_start=526
   _globals['_STOPCRITERIA']._serialized_end=624
   _globals['_GENERATEREQUEST']._serialized_start=627
-  _globals['_GENERATEREQUEST']._serialized_end=816
-  _globals['_TOKENLOGPROB']._serialized_start=818
-  _globals['_TOKENLOGPROB']._serialized_end=867
-  _globals['_SAMPLEDLOGPROBS']._serialized_start=869
-  _globals['_SAMPLEDLOGPROBS']._serialized_end=988
-  _globals['_USAGE']._serialized_start=990
-  _globals['_USAGE']._serialized_end=1077
-  _globals['_GENERATERESPONSE']._serialized_start=1080
-  _globals['_GENERATERESPONSE']._serialized_end=1310
-  _globals['_ENGINEINFOREQUEST']._serialized_start=1312
-  _globals['_ENGINEINFOREQUEST']._serialized_end=1331
-  _globals['_ENGINEINFORESPONSE']._serialized_start=1334
-  _globals['_ENGINEINFORESPONSE']._serialized_end=1574
-  _globals['_LOADREQUEST']._serialized_start=1576
-  _globals['_LOADREQUEST']._serialized_end=1589
-  _globals['_LOADRESPONSE']._serialized_start=1592
-  _globals['_LOADRESPONSE']._serialized_end=1807
-  _globals['_ENGINE']._serialized_start=1932
-  _globals['_ENGINE']._serialized_end=2137
+  _globals['_GENERATEREQUEST']._serialized_end=872
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=875
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1021
+  _globals['_CHOICES']._serialized_start=1023
+  _globals['_CHOICES']._serialized_end=1049
+  _globals['_TOKENLOGPROB']._serialized_start=1051
+  _globals['_TOKENLOGPROB']._serialized_end=1100
+  _globals['_SAMPLEDLOGPROBS']._serialized_start=1102
+  _globals['_SAMPLEDLOGPROBS']._serialized_end=1221
+  _globals['_USAGE']._serialized_start=1223
+  _globals['_USAGE']._serialized_end=1310
+  _globals['_GENERATERESPONSE']._serialized_start=1313
+  _globals['_GENERATERESPONSE']._serialized_end=1543
+  _globals['_ENGINEINFOREQUEST']._serialized_start=1545
+  _globals['_ENGINEINFOREQUEST']._serialized_end=1564
+  _globals['_ENGINEINFORESPONSE']._serialized_start=1567
+  _globals['_ENGINEINFORESPONSE']._serialized_end=1807
+  _globals['_LOADREQUEST']._serialized_start=1809
+  _globals['_LOADREQUEST']._serialized_end=1822
+  _globals['_LOADRESPONSE']._serialized_start=1825
+  _globals['_LOADRESPONSE']._serialized_end=2040
+  _globals['_ENGINE']._serialized_start=2165
+  _globals['_ENGINE']._serialized_end=2370
 # @@protoc_insertion_point(module_scope)

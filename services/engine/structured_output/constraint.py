@@ -1,0 +1,39 @@
+"""A request's structured-output constraint as the engine keeps it: a kind and its source text."""
+
+import json
+from dataclasses import dataclass
+
+from services.common.pb import engine_pb2
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: str  # one of KINDS
+    source: str  # the schema's JSON text, the regex, the grammar; for choice, a JSON list of the strings
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What compiled grammars are cached by."""
+        return self.kind, self.source
+
+
+def constraint_from_proto(message: engine_pb2.StructuredOutput) -> Constraint | None:
+    """None when the request has no constraint."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return Constraint(kind, json.dumps(list(message.choice.choices)))
+    if kind == "json_object":
+        return Constraint(kind, "") if message.json_object else None
+    return Constraint(kind, getattr(message, kind))
+
+
+def constraint_to_proto(constraint: Constraint) -> engine_pb2.StructuredOutput:
+    if constraint.kind == "choice":
+        return engine_pb2.StructuredOutput(choice=engine_pb2.Choices(choices=json.loads(constraint.source)))
+    if constraint.kind == "json_object":
+        return engine_pb2.StructuredOutput(json_object=True)
+    return engine_pb2.StructuredOutput(**{constraint.kind: constraint.source})
