@@ -9,10 +9,12 @@ from fastapi.responses import Response
 
 from services.common.pb import tokenizer_pb2
 from services.gateway import logprobs as lp
+from services.gateway.forced_tool_calls import ForcedToolCalls
 from services.gateway.generation import Step
 from services.gateway.protocol import ERROR_RESPONSES, ChatCompletionRequest, ChatMessage, ContentPart
 from services.gateway.request_body import JsonBodyRoute
 from services.gateway.serving import ChoiceResult, RequestContext, gateway_state, serve
+from services.gateway.structured_output import only_one
 from services.gateway.tools import ToolCallStream, parse_tool_calls, validate_tools
 from services.gateway.upstream import Upstream
 from services.gateway.validation import validate_chat
@@ -25,11 +27,13 @@ class ChatRenderer:
     response_object = "chat.completion"
     operation_name = "chat"
 
-    def __init__(self, upstream: Upstream, with_logprobs: bool, parses_tool_calls: bool = False) -> None:
+    def __init__(self, upstream: Upstream, with_logprobs: bool, parses_tool_calls: bool = False,
+                 forced_tool_calls: ForcedToolCalls | None = None) -> None:
         self._upstream = upstream
         self._with_logprobs = with_logprobs
         self._parses_tool_calls = parses_tool_calls
         self._tool_streams: dict[int, ToolCallStream] = {}  # by choice index
+        self._forced = forced_tool_calls
 
     async def _logprobs(self, entries: list) -> dict | None:
         if not self._with_logprobs:
@@ -38,23 +42,18 @@ class ChatRenderer:
         return {"content": lp.chat_content(entries, texts)}
 
     def preamble(self, indices: list[int]) -> list[dict]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for i in indices]
+        def first_delta(index: int) -> dict:
+            return self._forced.first_delta(index) if self._forced else {"role": "assistant", "content": ""}
+        return [{"index": i, "delta": first_delta(i), "logprobs": None, "finish_reason": None} for i in indices]
 
     async def stream_choice(self, step: Step) -> dict | None:
         has_logprobs = self._with_logprobs and bool(step.logprobs)
-        text, tool_calls, finish_reason = step.text, [], step.finish_reason
-        if self._parses_tool_calls:
-            stream = self._tool_streams.setdefault(step.index, ToolCallStream())
-            text, tool_calls = stream.feed(step.text)
-            if finish_reason is not None:
-                text += stream.finish()
-                finish_reason = _with_tool_calls(finish_reason, stream.num_calls)
-        if not text and not tool_calls and finish_reason is None and not has_logprobs:
+        if self._forced is not None:
+            delta, finish_reason = self._forced.stream_delta(step.index, step.text, step.finish_reason)
+        else:
+            delta, finish_reason = self._content_delta(step, has_logprobs)
+        if not delta and finish_reason is None and not has_logprobs:
             return None
-        delta = {"content": text} if text or has_logprobs else {}
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
         choice = {"index": step.index, "delta": delta,
                   "logprobs": await self._logprobs(step.logprobs) if has_logprobs else None,
                   "finish_reason": finish_reason}
@@ -62,10 +61,26 @@ class ChatRenderer:
             choice["stop_reason"] = step.stop_reason
         return choice
 
+    def _content_delta(self, step: Step, has_logprobs: bool) -> tuple[dict, str | None]:
+        """The text as content, less any tool calls the auto tool parser reads out of it."""
+        text, tool_calls, finish_reason = step.text, [], step.finish_reason
+        if self._parses_tool_calls:
+            stream = self._tool_streams.setdefault(step.index, ToolCallStream())
+            text, tool_calls = stream.feed(step.text)
+            if finish_reason is not None:
+                text += stream.finish()
+                finish_reason = _with_tool_calls(finish_reason, stream.num_calls)
+        delta = {"content": text} if text or has_logprobs else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return delta, finish_reason
+
     async def full_choice(self, result: ChoiceResult) -> dict:
         message = {"role": "assistant", "content": result.text}
         finish_reason = result.finish_reason
-        if self._parses_tool_calls:
+        if self._forced is not None:
+            message, finish_reason = self._forced.message(result.text, finish_reason)
+        elif self._parses_tool_calls:
             content, calls = parse_tool_calls(result.text)
             message = {"role": "assistant", "content": content,
                        "tool_calls": [{k: v for k, v in call.items() if k != "index"} for call in calls]}
@@ -111,10 +126,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx = RequestContext.new("chatcmpl", facts.name)
     params = validate_chat(body, facts, state.limits)
     tool_use = validate_tools(body, state.tool_call_parser)
+    forced = tool_use.forced
+    params.constraint = only_one(params.constraint, forced.constraint if forced else None)
     messages = await _messages_proto(body.messages)
     # the request's tools reach the template as transformers passes them; chat_template_kwargs win
     template_kwargs = {**({"tools": tool_use.tools} if tool_use.tools else {}), **(body.chat_template_kwargs or {})}
     prompt = await state.upstream.encode_chat(messages, body.add_generation_prompt,
                                               body.chat_template, template_kwargs)
-    renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parses_calls)
+    renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parses_calls,
+                            ForcedToolCalls(forced.function_name) if forced else None)
     return await serve(request, state, facts, ctx, params, [prompt], renderer)

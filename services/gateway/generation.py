@@ -64,6 +64,8 @@ def plan_choices(request_id: str, prompts: list[list[int]], max_tokens: list[int
                 request_id=f"{request_id}-{index}", prompt_token_ids=prompt_ids,
                 sampling=params.sampling_proto(i), stop=params.stop_proto(prompt_max_tokens),
                 cache_salt=params.cache_salt, fairness_key=request_id)  # one call's fan-out shares its seats
+            if params.constraint is not None:
+                request.structured_output.CopyFrom(params.constraint.proto)
             specs.append(ChoiceSpec(index, prompt_index, prompt_ids, request))
     return specs
 

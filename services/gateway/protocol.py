@@ -7,7 +7,7 @@ Fields past OpenAI's are vLLM's "extra body" parameters with vLLM's names and de
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Discriminator, StrictBool, StrictInt, StrictStr, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
 
 class _Body(BaseModel):
@@ -17,6 +17,33 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``. ``schema`` is taken as any JSON so that a schema that is not an
+    object gets validation's message rather than pydantic's."""
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text``, ``json_object``, or ``json_schema`` with ``json_schema``."""
+    type: StrictStr
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's ``structured_outputs`` extra body: at most one constraint (``json`` a schema, as an
+    object or its JSON text). vLLM's options that tune whitespace are accepted and ignored (the
+    engine writes JSON without free whitespace)."""
+    json_: Any = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    structural_tag: Any = None  # vLLM's; not supported, refused by validation
 
 
 class ContentPart(_Body):
@@ -50,8 +77,13 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     user: str | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extras
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: Any = None  # vLLM's older names for the structured_outputs fields
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

@@ -4,8 +4,13 @@ The tools reach the chat template as ``tools``, the way transformers passes them
 ``tool_calls`` and a tool turn's ``tool_call_id`` reach it too. Reading calls back out of the model's
 text needs a parser for the model's format: ``--tool-call-parser`` names it and
 ``--enable-auto-tool-choice`` turns it on, as in vLLM, and ``tool_choice: "auto"`` (the default when
-tools are given) needs both. ``"required"`` and a named function need guided decoding, which Strata
-does not have, so they are refused rather than silently not enforced.
+tools are given) needs both.
+
+``"required"`` and a named function force a call with structured output instead, as vLLM does, and need
+no parser: "required" constrains the output to a JSON array of at least one ``{"name", "parameters"}``
+object, each one of the tools with its parameters schema; a named function constrains the output to
+that function's parameters schema, the output being its arguments. ``forced_tool_calls.py`` reads the
+output back as tool calls.
 
 Parsers:
   hermes  Hermes 2 Pro, Qwen2.5, Qwen3: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
@@ -18,9 +23,17 @@ from typing import Any
 
 from services.gateway import errors
 from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.structured_output import Constraint, json_schema
 
 TOOL_CALL_PARSERS = ("hermes",)
 _START, _END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ForcedToolChoice:
+    """A tool_choice that forces a call: ``function_name`` for a named function, None for "required"."""
+    function_name: str | None
+    constraint: Constraint
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,7 @@ class ToolUse:
     """What one chat request does with tools."""
     tools: list[dict[str, Any]] | None  # for the chat template
     parses_calls: bool  # read tool calls out of the generated text
+    forced: ForcedToolChoice | None = None
 
 
 def validate_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> ToolUse:
@@ -40,6 +54,9 @@ def validate_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> 
                 or not isinstance(function.get("name"), str) or not function["name"]:
             raise errors.bad_request('Each tool must be {"type": "function", "function": {"name": ..., ...}}.',
                                      param=f"tools.[{i}]")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise errors.bad_request("A tool's parameters must be a JSON schema (a JSON object).",
+                                     param=f"tools.[{i}].function.parameters")
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     if choice == "none":
         return ToolUse(req.tools, parses_calls=False)
@@ -48,8 +65,54 @@ def validate_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> 
             raise errors.bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
                                      '--tool-call-parser to be set', param="tool_choice")
         return ToolUse(req.tools, parses_calls=True)
-    raise errors.bad_request(f"tool_choice {choice!r} is not supported: forcing a call needs guided decoding, "
-                             'which this server does not have; use "auto" or "none".', param="tool_choice")
+    if choice == "required":
+        schema = _required_schema(req.tools, max_calls=1 if req.parallel_tool_calls is False else None)
+        return ToolUse(req.tools, False, ForcedToolChoice(None, json_schema(schema, "tool_choice")))
+    name = _named_function(choice)
+    functions = {tool["function"]["name"]: tool["function"] for tool in req.tools}
+    if name not in functions:
+        raise errors.bad_request(f"Tool '{name}' has not been passed in `tools`; tool_choice names one of: "
+                                 f"{', '.join(functions)}.", param="tool_choice")
+    schema = _parameters(functions[name])
+    return ToolUse(req.tools, False, ForcedToolChoice(name, json_schema(schema, "tool_choice")))
+
+
+def _named_function(choice: str | dict[str, Any]) -> str:
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(function, dict) or choice.get("type") != "function" or not isinstance(function.get("name"), str):
+        raise errors.bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                 f'"function": {{"name": ...}}}}, got {json.dumps(choice)[:200]}.', param="tool_choice")
+    return function["name"]
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _required_schema(tools: list[dict[str, Any]], max_calls: int | None) -> dict[str, Any]:
+    """vLLM's schema for "required": an array of one or more calls, each ``{"name", "parameters"}`` of one
+    tool. A tool's ``$defs`` move to the root, where its ``#/$defs/...`` references point."""
+    defs: dict[str, dict[str, Any]] = {}
+    calls = []
+    for tool in tools:
+        function = tool["function"]
+        parameters = dict(_parameters(function))
+        for key in ("$defs", "definitions"):
+            for def_name, definition in (parameters.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                    raise errors.bad_request(f"Tools define {key}.{def_name} differently; with tool_choice "
+                                             '"required" their definitions share one namespace.', param="tools")
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                                       "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return {**schema, **{key: value for key, value in defs.items() if value}}
+
+
+def new_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -123,6 +186,6 @@ def _tool_call(body: str, index: int) -> dict[str, Any] | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", {})
-    return {"index": index, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+    return {"index": index, "id": new_tool_call_id(), "type": "function",
             "function": {"name": call["name"],
                          "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from services.common.pb import engine_pb2
 from services.gateway import errors
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.structured_output import Constraint, request_constraint
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's cap on chat top_logprobs
 _UINT64 = 1 << 64
@@ -66,6 +67,7 @@ class GenerationParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # structured output, the same for every choice
 
     @property
     def is_greedy(self) -> bool:
@@ -114,10 +116,7 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
     _check(1 <= req.n <= limits.max_n, f"n must be between 1 and {limits.max_n}, got {req.n}.", "n")
     _check_sequences(req.n, 1, limits)
     params.n = req.n
-    if req.response_format is not None:  # structured output would be silently unenforced: refuse it
-        kind = req.response_format.get("type")
-        _check(kind == "text", f"response_format of type {kind!r} is not supported: structured output needs "
-                               "guided decoding, which this server does not have.", "response_format")
+    params.constraint = request_constraint(req)
     _check(req.stream or req.stream_options is None,
            "Stream options can only be defined when `stream=True`.", "stream_options")
     params.stream = req.stream
