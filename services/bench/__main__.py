@@ -8,6 +8,7 @@ TOOLS = {
     "offline": ("services.bench.offline", "the engine in-process against HF transformers"),
     "overhead": ("services.bench.overhead", "the whole stack against the engine in-process"),
     "routing": ("services.bench.routing", "prefix-aware routing against round-robin, on replicas"),
+    "structured": ("services.bench.structured", "JSON-schema-constrained streams against unconstrained ones"),
     "compare": ("services.bench.compare", "two result files side by side, with ratios"),
     "llamacpp": ("services.bench.llamacpp", "build, convert for and start llama.cpp's server (the baseline)"),
 }
@@ -15,7 +16,7 @@ TOOLS = {
 
 def usage() -> str:
     lines = ["usage: strata bench <tool> [args...]", "", "tools:"]
-    return "\n".join(lines + [f"  {name:<8} {text}" for name, (_, text) in TOOLS.items()])
+    return "\n".join(lines + [f"  {name:<10} {text}" for name, (_, text) in TOOLS.items()])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,13 +10,16 @@ import re
 import jsonschema
 import lark
 import pytest
+import torch
 
 from services.common.errors import InvalidRequestError
 from services.common.pb import engine_pb2
 from services.engine.config import EngineConfig
 from services.engine.llm import LLM
 from services.engine.protocol import sampling_params_from_proto
+from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler_output import ScheduledChunk
 from services.engine.structured_output.constraint import Constraint
 from tokenizers import Tokenizer
 
@@ -149,3 +152,24 @@ def test_the_constraint_travels_in_the_generate_request():
     assert params(regex="a+") == Constraint("regex", "a+")
     assert params(choice=engine_pb2.Choices(choices=["x", "y"])) == Constraint("choice", '["x", "y"]')
     assert params(grammar="start: /a+/") == Constraint("grammar", "start: /a+/")
+
+
+def test_eos_is_allowed_exactly_where_the_constraint_may_end(llm, default_model_dir):
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    request = Request("eos", PROMPT, SamplingParams())
+    request.num_computed_tokens = request.num_tokens  # its prompt is in the cache: it samples next
+    request.grammar = llm.core.structured_output.matcher(Constraint("choice", json.dumps(["ab", "abab"])))
+    eos = list(llm.core.eos_token_ids)  # the engine's own EOS ids: each ends the request
+
+    def allowed() -> torch.Tensor:
+        masks = llm.core.structured_output.start_masks([ScheduledChunk(request, 0, [])])  # samples: nothing new
+        logits = torch.zeros(1, llm.core.vocab_size)
+        masks.apply(logits, [request], unprocessed=logits.clone())
+        return torch.isfinite(logits[0])
+
+    assert not allowed()[eos].any() and allowed().sum() > 0  # nothing chosen yet: no end
+    for token in tokenizer.encode("ab", add_special_tokens=False).ids:
+        assert allowed()[token]
+        assert request.grammar.consume_token(token)
+    after_ab = allowed()
+    assert after_ab[eos].all() and after_ab[tokenizer.encode("ab", add_special_tokens=False).ids[0]]  # end, or go on
