@@ -21,7 +21,7 @@ from typing import Any
 
 from services.common.pb import engine_pb2
 from services.gateway import errors
-from services.gateway.protocol import SamplingFields
+from services.gateway.protocol import SamplingFields, StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _response_format(req: SamplingFields) -> list[Constraint]:
                              "'json_schema'.", param="response_format.type")
 
 
-def _structured_outputs(params) -> list[Constraint]:
+def _structured_outputs(params: StructuredOutputsParams) -> list[Constraint]:
     if params.structural_tag is not None:
         raise errors.bad_request("structured_outputs.structural_tag is not supported; use json, regex, choice "
                                  "or grammar.", param="structured_outputs.structural_tag")

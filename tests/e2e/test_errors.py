@@ -42,11 +42,14 @@ CASES = {
     "too many stop strings": (chat, {"stop": ["a", "b", "c", "d", "e"]}, "stop", None),
     "token id out of vocabulary": (completion, {"prompt": [1, 2, 999999]}, "prompt", None),
     "wrong type": (chat, {"extra_body": {"max_tokens": "many"}}, "max_tokens", None),
-    "structured output": (chat, {"response_format": {"type": "json_object"}}, "response_format", None),
+    "two structured output constraints": (chat, {"response_format": {"type": "json_object"},
+                                                  "extra_body": {"guided_regex": "a+"}},
+                                          "response_format, guided_regex", None),
     "tool_choice without tools": (chat, {"tool_choice": "auto"}, "tool_choice",
                                   "When using `tool_choice`, `tools` must be set."),
-    "forced tool call": (chat, {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-                         "tool_choice", None),
+    "forced call of a tool not given": (chat, {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                               "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                                        "tool_choice", "Tool 'g' has not been passed in `tools`"),
 }
 
 
