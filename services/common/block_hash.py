@@ -1,8 +1,9 @@
 """The one block-hash function of Strata, shared by the engine (to name cached KV blocks) and
 the router (to look a prompt up in its index of what each replica holds).
 
-A block's hash is a chain over full blocks: ``h_i = H(h_{i-1}, tokens of block i, extra keys)``,
-so equal hashes mean equal whole prefixes. ``h_{-1}`` is derived from a seed given through
+A block's hash is a chain over full blocks: ``h_i = H(h_{i-1}, tokens of block i, cache salt)``,
+so equal hashes mean equal whole prefixes, and prompts of different salts (`cache_salt`, say a
+tenant) never share a block; no salt hashes as before salts existed. ``h_{-1}`` is derived from a seed given through
 configuration (``--prefix-cache-hash-seed``), never from per-process state, so every replica and
 the router agree. Hashes are 64-bit unsigned integers (they travel in ``events.proto``).
 """
@@ -19,11 +20,11 @@ def root_hash(seed: int = DEFAULT_HASH_SEED) -> int:
     return _digest(b"strata-block-hash-root" + struct.pack("<Q", seed & 0xFFFFFFFFFFFFFFFF))
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> int:
+def hash_block(parent_hash: int, token_ids: Sequence[int], cache_salt: str = "") -> int:
     """Hash of one full block given the hash of the block before it."""
     payload = struct.pack(f"<Q{len(token_ids)}I", parent_hash, *token_ids)
-    for key in extra_keys:
-        payload += b"\x00" + key.encode("utf-8")
+    if cache_salt:
+        payload += b"\x00" + cache_salt.encode("utf-8")
     return _digest(payload)
 
 
@@ -31,7 +32,7 @@ def hash_prompt_blocks(
     token_ids: Sequence[int],
     block_size: int,
     seed: int = DEFAULT_HASH_SEED,
-    extra_keys: Sequence[str] = (),
+    cache_salt: str = "",
     start_hashes: Sequence[int] = (),
 ) -> list[int]:
     """Chained hashes of every full block of token_ids (a trailing partial block has none).
@@ -42,7 +43,7 @@ def hash_prompt_blocks(
     hashes = list(start_hashes)
     parent = hashes[-1] if hashes else root_hash(seed)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], extra_keys)
+        parent = hash_block(parent, token_ids[start:start + block_size], cache_salt)
         hashes.append(parent)
     return hashes
 

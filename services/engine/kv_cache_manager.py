@@ -142,5 +142,5 @@ class KVCacheManager:
         """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             request.block_hashes = hash_prompt_blocks(
-                request.all_token_ids, self.block_size, self.hash_seed, request.extra_hash_keys,
+                request.all_token_ids, self.block_size, self.hash_seed, request.cache_salt,
                 start_hashes=request.block_hashes)

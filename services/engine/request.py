@@ -121,10 +121,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
-    @property
-    def extra_hash_keys(self) -> tuple[str, ...]:
-        return (self.cache_salt,) if self.cache_salt else ()
-
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -10,7 +10,8 @@ from services.common.nats_auth import is_authenticated
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
-from services.router.server import POLICIES, serve
+from services.router.policy import POLICIES
+from services.router.server import serve
 
 
 def build_parser() -> argparse.ArgumentParser:

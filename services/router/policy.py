@@ -10,7 +10,7 @@ turn. Once the fleet is unbalanced, a request goes to the least loaded replica w
 hold, until the fleet evens out.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MAX_IMBALANCE = 8  # requests
@@ -24,6 +24,12 @@ class Candidate:
     name: str
     matched_blocks: int  # the prompt's leading blocks in its prefix cache
     load: int  # requests it has: this router's in flight there + its reported waiting
+    num_blocks: int = 0  # the prompt's full blocks at this replica's block size
+
+    @property
+    def overlap(self) -> float:
+        """The fraction of the prompt's full blocks it holds."""
+        return self.matched_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
 def is_balanced(candidates: Sequence[Candidate], max_imbalance: int = MAX_IMBALANCE,
@@ -42,3 +48,13 @@ def choose(candidates: Sequence[Candidate], turn: int, max_imbalance: int = MAX_
     best = min(key(c) for c in candidates)
     tied = [c for c in candidates if key(c) == best]
     return tied[turn % len(tied)]
+
+
+def round_robin(candidates: Sequence[Candidate], turn: int) -> Candidate:
+    """The baseline: each in turn, blind to caches and load."""
+    return candidates[turn % len(candidates)]
+
+
+# --policy NAME -> policy(candidates, turn) -> the chosen candidate
+POLICIES: dict[str, Callable[[Sequence[Candidate], int], Candidate]] = {"cache-aware": choose,
+                                                                        "round-robin": round_robin}

@@ -27,7 +27,7 @@ from services.common.nats_auth import connect_options, is_authenticated
 from services.common.nats_logging import connection_callbacks
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
 from services.common.tls import TlsFiles
-from services.router.policy import Candidate, choose
+from services.router.policy import POLICIES, Candidate
 from services.router.metrics import RouterMetrics
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaSet
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 GENERATE, LOAD = f"{SERVICE_NAME}/Generate", f"{SERVICE_NAME}/Load"
-POLICIES = ("cache-aware", "round-robin")  # policy.py; round-robin: the baseline, blind to caches and load
 _RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)  # before the first output
 _DOWN_ON = (grpc.StatusCode.UNAVAILABLE,)  # RESOURCE_EXHAUSTED: a full queue, not a dead replica
 
@@ -84,16 +83,21 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         healthy = [r for r in self.replicas.healthy() if r.address not in exclude]
         if not healthy:
             return None
-        block_size = healthy[0].info.block_size if healthy[0].info else 16
-        extra_keys = (request.cache_salt,) if request.cache_salt else ()
-        hashes = hash_prompt_blocks(request.prompt_token_ids, block_size, self.hash_seed, extra_keys)
-        candidates = [Candidate(r.address, self.index.overlap(r.replica_id, hashes), r.in_flight + r.num_waiting)
-                      for r in healthy]
-        if self.policy == "round-robin":  # the baseline: no look at caches or load
-            chosen = candidates[next(self._turns) % len(candidates)]
-        else:
-            chosen = choose(candidates, next(self._turns))
-        return self.replicas.replicas[chosen.name], chosen.matched_blocks / len(hashes) if hashes else 0.0
+        hashes_by_block_size: dict[int, list[int]] = {}
+        candidates = []
+        for replica in healthy:  # a healthy replica has answered Info (ReplicaSet.check)
+            block_size = replica.info.block_size
+            if block_size not in hashes_by_block_size:
+                hashes_by_block_size[block_size] = self.prompt_hashes(request, block_size)
+            hashes = hashes_by_block_size[block_size]
+            candidates.append(Candidate(replica.address, self.index.overlap(replica.replica_id, hashes),
+                                        replica.in_flight + replica.num_waiting, len(hashes)))
+        chosen = POLICIES[self.policy](candidates, next(self._turns))
+        return self.replicas.replicas[chosen.name], chosen.overlap
+
+    def prompt_hashes(self, request: engine_pb2.GenerateRequest, block_size: int) -> list[int]:
+        """The prompt's block hashes as an engine of ``block_size`` names its cached blocks."""
+        return hash_prompt_blocks(request.prompt_token_ids, block_size, self.hash_seed, request.cache_salt)
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         tried: set[str] = set()

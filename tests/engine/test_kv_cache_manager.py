@@ -41,7 +41,7 @@ def compute(manager, request, num_tokens):
     manager.cache_blocks(request)
 
 
-def hashes(token_ids, salt=()):
+def hashes(token_ids, salt=""):
     return hash_prompt_blocks(token_ids, 4, SEED, salt)
 
 
@@ -100,7 +100,7 @@ def test_cache_salt_separates_prefixes(manager):
     a = make_request("a", list(range(9)), cache_salt="tenant-1")
     admit(manager, a)
     compute(manager, a, 9)
-    assert a.block_hashes == hashes(list(range(9)), ("tenant-1",))
+    assert a.block_hashes == hashes(list(range(9)), "tenant-1")
     assert manager.get_computed_blocks(make_request("b", list(range(9)), cache_salt="tenant-2"))[1] == 0
     assert manager.get_computed_blocks(make_request("c", list(range(9))))[1] == 0
     assert manager.get_computed_blocks(make_request("d", list(range(9)), cache_salt="tenant-1"))[1] == 8
