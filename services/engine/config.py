@@ -1,35 +1,70 @@
-"""Engine settings, validated at construction. Flag names follow `vllm serve` where the meaning is the same."""
+"""Engine settings, validated at construction. Flag names follow `vllm serve` where the meaning is the same.
 
-from dataclasses import dataclass
+Each field is also a command-line flag (`--block-size` for `block_size`): its default is the field's,
+and its help text sits beside it (`flag(...)`), so `engine_args.add_engine_args` builds the parser
+from this class alone and a default cannot differ between the flag and the class.
+"""
+
+import argparse
+from dataclasses import dataclass, field
 
 from services.common.block_hash import DEFAULT_HASH_SEED
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_MEMORY_BYTES = 1 << 30
+
+
+def flag(default, help: str, **argparse_kwargs) -> field:
+    """A field with a default that is also an engine flag: ``help`` is its help text ("%(default)s"
+    reads the default), ``argparse_kwargs`` what `add_argument` needs beyond the flag's type and
+    default (``choices``, ``action``, ``metavar``)."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
 @dataclass
 class EngineConfig:
-    model: str  # a Hugging Face checkpoint directory
-    dtype: str = "auto"  # the checkpoint's own dtype (float32 when it names none)
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: size the pool from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    prefix_cache_hash_seed: int = DEFAULT_HASH_SEED
-    max_logprobs: int = 20
-    attention_backend: str = "auto"  # "torch", "triton", or "auto" (triton on CUDA, torch on CPU)
-    replica_id: str = "engine-0"
-    seed: int = 0  # seeds the engine's random generator for requests without a seed
-    enforce_eager: bool = False  # run the model op by op: no compiled decode graphs (as vLLM's flag)
-    num_threads: int | None = None  # CPU threads of the model's kernels, fixed; None: adapted (threads.ThreadGovernor)
-    stream_interval: int = 1  # tokens per streamed output after the first (as vLLM's --stream-interval)
+    # a Hugging Face checkpoint directory; the flag's default, None, is the built-in model
+    model: str = field(metadata={"help": "Hugging Face checkpoint directory (default: the built-in default model)"})
+    dtype: str = flag("auto", "weights dtype; auto takes the checkpoint's (float32 when it names none) "
+                              "(default: %(default)s)", choices=DTYPES)
+    device: str = flag("cpu", "cpu or cuda[:N] (default: %(default)s)")
+    block_size: int = flag(16, "tokens per KV block (default: %(default)s)")
+    num_kv_blocks: int | None = flag(None, "KV blocks in the pool (default: from --kv-cache-memory-bytes)")
+    kv_cache_memory_bytes: int = flag(KV_CACHE_MEMORY_BYTES,
+                                      "memory for the KV pool when --num-kv-blocks is not given "
+                                      f"(default: %(default)s bytes, {KV_CACHE_MEMORY_BYTES >> 30} GiB)")
+    max_num_seqs: int = flag(64, "most sequences per step (default: %(default)s)")
+    max_num_batched_tokens: int = flag(2048, "token budget of one step, prefill and decode together "
+                                             "(default: %(default)s)")
+    max_model_len: int | None = flag(None, "longest prompt + output (default: the model's max_position_embeddings)")
+    enable_prefix_caching: bool = flag(True, "automatic prefix caching (default: on)",
+                                       action=argparse.BooleanOptionalAction)
+    prefix_cache_hash_seed: int = flag(DEFAULT_HASH_SEED, "seed of the block hashes; must match the router's "
+                                                          "(default: %(default)s)")
+    max_logprobs: int = flag(20, "most logprobs per token (default: %(default)s)")
+    attention_backend: str = flag("auto", "attention kernels: torch (the CPU path and the reference), triton (GPU "
+                                          "kernels), or auto: triton on CUDA when it is installed and --block-size "
+                                          "is a power of two, else torch (default: %(default)s)",
+                                  choices=ATTENTION_BACKENDS)
+    replica_id: str = flag("engine-0", "this replica's id in events and responses (default: %(default)s)")
+    seed: int = flag(0, "seed of the engine's random generator, for requests without their own "
+                        "(default: %(default)s)")
+    enforce_eager: bool = flag(False, "run the model op by op, without compiled decode graphs, as vLLM's flag "
+                                      "(default: compiled where possible)", action="store_true")
+    num_threads: int | None = flag(None, "CPU threads for the model's kernels, fixed (default: adapted to the load "
+                                         "between one and OMP_NUM_THREADS or the cores this process may use, by "
+                                         "timing decode steps; threads.ThreadGovernor)")
+    stream_interval: int = flag(1, "tokens per streamed output after the first one (which goes at once) and before "
+                                   "the last, as vLLM's flag: 1 streams every token as it is made; larger values "
+                                   "send fewer, bigger messages through the stack, which leaves more CPU to the "
+                                   "model under load (default: %(default)s)")
     # Requests that may wait beyond a full running batch before new ones are refused (RESOURCE_EXHAUSTED);
     # None: 4 x max_num_seqs, so the last in line waits about four batch turnovers; -1: unbounded.
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = flag(
+        None, "requests that may wait beyond a full running batch; more are refused at once with "
+              "RESOURCE_EXHAUSTED (the router tries another replica, the gateway answers 503 with Retry-After), "
+              "so the queue and its waiting time stay bounded; -1: unbounded (default: 4 x --max-num-seqs)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -14,8 +14,14 @@ from pathlib import Path
 
 from services.common.logging_setup import LOG_FORMATS, LOG_LEVELS
 from services.common.supervisor import CrashLoopError
+from services.engine.engine_args import add_engine_passthrough_args
 from services.launcher.config import StackConfig
 from services.launcher.stack import Stack, StartupError
+
+# EngineConfig fields `strata up` takes as flags of its own and passes to the engines when given (besides
+# --enable-prefix-caching); any other engine flag goes through --engine-args
+ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
+                "max_logprobs", "seed", "dtype", "device", "attention_backend")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,13 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=1,
                         help="engine replicas; more than one adds a router (and NATS for its prefix-aware "
                              "routing) in front of them (default: %(default)s)")
-    engine = parser.add_argument_group("engine (passed through when given)")
-    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
-                 "--num-kv-blocks", "--max-logprobs", "--seed"):
-        engine.add_argument(flag, type=int)
-    for flag in ("--dtype", "--device", "--attention-backend"):
-        engine.add_argument(flag)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    engine = parser.add_argument_group("engine (passed through when given; `strata engine --help` lists them all)")
+    add_engine_passthrough_args(engine, [*ENGINE_FLAGS, "enable_prefix_caching"])
     engine.add_argument("--engine-args", default="",
                         help="more engine flags, one quoted string (a single flag: --engine-args=--flag)")
     gateway = parser.add_argument_group("gateway")
@@ -77,8 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
-                 "max_logprobs", "seed", "dtype", "device", "attention_backend"):
+    for name in ENGINE_FLAGS:
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]

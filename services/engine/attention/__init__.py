@@ -8,9 +8,9 @@ import torch
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
+from services.engine.config import ATTENTION_BACKENDS as BACKENDS
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
-BACKENDS = ("auto", "torch", "triton")
 
 
 def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
