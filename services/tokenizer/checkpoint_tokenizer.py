@@ -6,12 +6,10 @@ decides what `add_special_tokens` adds, such as a Llama-style BOS); the special 
 `tokenizer_config.json` are (re)registered as special, as transformers does on load; the parts of
 the pipeline that transformers rebuilds for `LlamaTokenizer` are rebuilt the same way
 (`transformers_loading.py`); the chat templates come from `chat_template.py`. Facts the engine
-needs come from the checkpoint too: eos ids from `generation_config.json` merged with the
-tokenizer's eos, the longest sequence from `config.json`'s `max_position_embeddings` (else the
-tokenizer's `model_max_length`).
+needs come from the checkpoint too, decided where the engine decides them
+(`services.common.checkpoint_facts`): the eos ids and the longest sequence.
 """
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
+from services.common import checkpoint_facts
 from services.common.errors import InvalidRequestError
 from services.tokenizer.chat_template import DEFAULT_TEMPLATE_LIMITS, DEFAULT_TEMPLATE_NAME, load_chat_templates, render_chat
 from services.tokenizer.template_budget import TemplateLimits
@@ -27,8 +26,6 @@ from services.tokenizer.transformers_loading import loads_as_llama_tokenizer, re
 
 # The named special tokens of transformers' tokenizers (`SPECIAL_TOKENS_ATTRIBUTES`).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# transformers uses a huge `model_max_length` to mean "not set".
-_UNSET_MODEL_MAX_LENGTH = 10**12
 
 
 # Above this many characters, encoding goes through `encode_batch_fast`, which releases the GIL (and
@@ -57,14 +54,14 @@ class CheckpointTokenizer:
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json; --model takes a Hugging Face checkpoint")
-        tokenizer_config = _tokenizer_config(model_dir)
+        tokenizer_config = checkpoint_facts.tokenizer_config(model_dir)
         tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
         backend = Tokenizer.from_str(tokenizer_json)
-        if loads_as_llama_tokenizer(tokenizer_json, tokenizer_config, _read_json(model_dir / "config.json")):
+        if loads_as_llama_tokenizer(tokenizer_json, tokenizer_config, checkpoint_facts.read_json(model_dir / "config.json")):
             rebuild_as_llama_tokenizer(backend, tokenizer_config)
         special_tokens = _register_special_tokens(backend, tokenizer_config)
         bos_token_id = _token_id(backend, special_tokens.get("bos_token"))
-        eos_token_ids = _eos_token_ids(backend, special_tokens.get("eos_token"), model_dir)
+        eos_token_ids = checkpoint_facts.eos_token_ids(model_dir, backend.token_to_id)
         return cls(
             model=str(model_dir),
             backend=backend,
@@ -72,7 +69,7 @@ class CheckpointTokenizer:
             special_tokens=special_tokens,
             bos_token_id=bos_token_id,
             eos_token_ids=eos_token_ids,
-            max_model_len=_max_model_len(model_dir, tokenizer_config),
+            max_model_len=checkpoint_facts.max_model_len(model_dir),
             chat_templates=load_chat_templates(model_dir, tokenizer_config),
             special_ids=frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special),
             byte_fallback_ids=_byte_fallback_ids(backend),
@@ -136,18 +133,6 @@ class CheckpointTokenizer:
         raise InvalidRequestError(f"{self.model} has no chat template; pass one in chat_template")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def _tokenizer_config(model_dir: Path) -> dict[str, Any]:
-    """tokenizer_config.json, with a legacy special_tokens_map.json merged over it as transformers does."""
-    config = _read_json(model_dir / "tokenizer_config.json")
-    if "added_tokens_decoder" not in config:
-        config |= _read_json(model_dir / "special_tokens_map.json")
-    return config
-
-
 def _register_special_tokens(backend: Tokenizer, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
     """Registers the config's special tokens as special in `backend`; returns the named ones by name.
 
@@ -190,21 +175,3 @@ def _byte_fallback_ids(backend: Tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
-def _eos_token_ids(backend: Tokenizer, eos_token: str | None, model_dir: Path) -> tuple[int, ...]:
-    ids = [_token_id(backend, eos_token)]
-    configured = _read_json(model_dir / "generation_config.json").get("eos_token_id")
-    ids += configured if isinstance(configured, list) else [configured]
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
-
-
-def _max_model_len(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> int:
-    config = _read_json(model_dir / "config.json")
-    for section in (config, config.get("text_config") or {}):
-        if section.get("max_position_embeddings"):
-            return int(section["max_position_embeddings"])
-    model_max_length = tokenizer_config.get("model_max_length")
-    if model_max_length and model_max_length < _UNSET_MODEL_MAX_LENGTH:
-        return int(model_max_length)
-    raise ValueError(
-        f"{model_dir}: no max_position_embeddings in config.json and no model_max_length in tokenizer_config.json"
-    )

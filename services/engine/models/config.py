@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from services.common import checkpoint_facts
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,7 +62,8 @@ class ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse ``config.json`` (and ``generation_config.json`` for eos ids) of a checkpoint directory."""
+    """Parse ``config.json`` of a checkpoint directory; its eos ids and longest sequence are
+    `checkpoint_facts`' (shared with the tokenizer service)."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -88,7 +91,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        max_position_embeddings=checkpoint_facts.max_model_len(model_dir),
         rope=_parse_rope(hf, config_path),
         attention_bias=attention_bias,
         o_proj_bias=attention_bias and not is_qwen2,
@@ -96,7 +99,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         layer_sliding_windows=_parse_sliding_windows(hf, architecture, config_path),
         checkpoint_dtype=_CHECKPOINT_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype")),
-        eos_token_ids=_parse_eos(hf, model_dir),
+        eos_token_ids=checkpoint_facts.eos_token_ids(model_dir),
     )
 
 
@@ -136,15 +139,3 @@ def _parse_sliding_windows(hf: dict, architecture: str, config_path: Path) -> tu
         raise ValueError(f"layer_types in {config_path} must name sliding_attention or full_attention for each "
                          f"of the {num_layers} layers")
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-
-
-def _parse_eos(hf: dict, model_dir: Path) -> tuple[int, ...]:
-    eos = None
-    generation_path = model_dir / "generation_config.json"
-    if generation_path.is_file():
-        eos = json.loads(generation_path.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = hf.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)

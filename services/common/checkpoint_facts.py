@@ -1,0 +1,79 @@
+"""Facts about a Hugging Face checkpoint that more than one service needs, each decided here once:
+the ids that end generation and the longest sequence. The engine (which stops requests and sizes
+its context) and the tokenizer service (which tells the gateway what an EOS is) read them from here,
+so they cannot disagree.
+
+- **EOS ids**, as vLLM takes them: the tokenizer's `eos_token` (tokenizer_config.json, or a legacy
+  special_tokens_map.json) first, then generation_config.json's `eos_token_id` (one id or a list);
+  config.json's `eos_token_id` only when neither names one.
+- **Longest sequence**: config.json's `max_position_embeddings` (or its `text_config`'s), else the
+  tokenizer's `model_max_length` when it is set.
+"""
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+# transformers uses a huge `model_max_length` to mean "not set".
+_UNSET_MODEL_MAX_LENGTH = 10**12
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file, or {} when it has none."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """tokenizer_config.json, with a legacy special_tokens_map.json merged over it as transformers does."""
+    config = read_json(model_dir / "tokenizer_config.json")
+    if "added_tokens_decoder" not in config:
+        config |= read_json(model_dir / "special_tokens_map.json")
+    return config
+
+
+def token_content(value: str | Mapping[str, Any] | None) -> str | None:
+    """A special token as tokenizer_config.json names it: a string, or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value or None
+
+
+def eos_token_ids(model_dir: str | Path, token_to_id: Callable[[str], int | None] | None = None) -> tuple[int, ...]:
+    """The ids that end generation (see the module's docstring). ``token_to_id`` looks the tokenizer's eos
+    token up (the tokenizer service passes its loaded tokenizer's); by default tokenizer.json is read."""
+    model_dir = Path(model_dir)
+    eos_token = token_content(tokenizer_config(model_dir).get("eos_token"))
+    ids: list[int | None] = []
+    if eos_token is not None:
+        ids.append((token_to_id or _tokenizer_json_lookup(model_dir))(eos_token))
+    configured = read_json(model_dir / "generation_config.json").get("eos_token_id")
+    ids += configured if isinstance(configured, list) else [configured]
+    if not any(i is not None for i in ids):
+        fallback = read_json(model_dir / "config.json").get("eos_token_id")
+        ids = fallback if isinstance(fallback, list) else [fallback]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def max_model_len(model_dir: str | Path) -> int:
+    """The longest sequence the checkpoint supports (see the module's docstring); ValueError if it says none."""
+    model_dir = Path(model_dir)
+    config = read_json(model_dir / "config.json")
+    for section in (config, config.get("text_config") or {}):
+        if section.get("max_position_embeddings"):
+            return int(section["max_position_embeddings"])
+    model_max_length = tokenizer_config(model_dir).get("model_max_length")
+    if model_max_length and model_max_length < _UNSET_MODEL_MAX_LENGTH:
+        return int(model_max_length)
+    raise ValueError(f"{model_dir}: no max_position_embeddings in config.json and no model_max_length in "
+                     f"tokenizer_config.json")
+
+
+def _tokenizer_json_lookup(model_dir: Path) -> Callable[[str], int | None]:
+    """token -> id from tokenizer.json's added tokens and vocabulary, without loading a tokenizer."""
+    tokenizer = read_json(model_dir / "tokenizer.json")
+    ids = {token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])}
+    vocab = (tokenizer.get("model") or {}).get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the position
+        vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
+    return lambda token: ids.get(token, vocab.get(token))
