@@ -7,6 +7,7 @@ Each subcommand hands its remaining arguments to that module's own `main(argv)`,
 import importlib
 import sys
 
+from services.bench.__main__ import TOOLS as BENCH_TOOLS
 from services.engine.threads import use_openmp_wait_policy
 
 SUBCOMMANDS = {
@@ -16,9 +17,9 @@ SUBCOMMANDS = {
     "router": ("services.router.__main__", "run the router in front of engine replicas"),
     "gateway": ("services.gateway.__main__", "run the OpenAI HTTP gateway"),
     "autoscaler": ("services.autoscaler.__main__", "scale engine replicas on queue length and KV usage"),
-    "model": ("services.common.model_cli", "build the built-in default model (`strata model init`)"),
+    "model": ("services.common.model_cli", "build the built-in default model (`strata model init [--dir DIR]`)"),
     "generate": ("services.engine.offline", "generate offline from a checkpoint, no services"),
-    "bench": ("services.bench.__main__", "benchmarks: `strata bench serve|offline|compare`"),
+    "bench": ("services.bench.__main__", f"benchmarks: `strata bench {'|'.join(BENCH_TOOLS)}` (below)"),
 }
 RUN_THE_ENGINE_IN_PROCESS = ("engine", "generate", "bench")
 
@@ -26,6 +27,9 @@ RUN_THE_ENGINE_IN_PROCESS = ("engine", "generate", "bench")
 def usage() -> str:
     lines = ["usage: strata <command> [args...]", "", "commands:"]
     lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+    lines += ["", "bench tools (`strata bench <tool> --help`):"]
+    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in BENCH_TOOLS.items()]
+    lines += ["", "`strata <command> --help` lists a command's flags and their defaults."]
     return "\n".join(lines)
 
 

@@ -26,11 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nats-url", required=True, help="the NATS server the engines publish their load reports on")
     parser.add_argument("--host", default="127.0.0.1", help="address of its gRPC health service (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50070, help="gRPC health port, 0 for any (default: %(default)s)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: none)")
     policy = parser.add_argument_group("policy (HPA semantics; signals: waiting requests and KV usage, never CPU)")
     defaults = ScalingPolicy()
-    policy.add_argument("--min-replicas", type=int, default=defaults.min_replicas)
-    policy.add_argument("--max-replicas", type=int, default=defaults.max_replicas)
+    policy.add_argument("--min-replicas", type=int, default=defaults.min_replicas,
+                        help="fewest engine replicas kept running (default: %(default)s)")
+    policy.add_argument("--max-replicas", type=int, default=defaults.max_replicas,
+                        help="most engine replicas run at once (default: %(default)s)")
     policy.add_argument("--target-waiting", type=float, default=defaults.target_waiting,
                         help="waiting requests per ready replica before the fleet grows (default: %(default)s)")
     policy.add_argument("--target-kv-usage", type=float, default=defaults.target_kv_usage,
@@ -41,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--tolerance", type=float, default=defaults.tolerance,
                         help="no scale-up while a signal is within this fraction of its target (default: %(default)s)")
     policy.add_argument("--scale-up-stabilization", type=float, default=defaults.scale_up_stabilization_s,
-                        help="seconds: scale up to the lowest count asked for within this window (default: %(default)s)")
+                        help="seconds: scale up to the lowest count asked for within this window (default: "
+                             "%(default)s)")
     policy.add_argument("--scale-down-stabilization", type=float, default=defaults.scale_down_stabilization_s,
                         help="seconds: scale down to the highest count asked for within this window "
                              "(default: %(default)s)")
@@ -57,13 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--namespace", help="of the engine Deployment (default: the autoscaler pod's own)")
     k8s.add_argument("--deployment", default="strata-engine", help="the engine Deployment (default: %(default)s)")
     local = parser.add_argument_group("local provider")
-    local.add_argument("--model", help="checkpoint directory the engines serve")
-    local.add_argument("--engine-args", default="", help="more engine flags, one quoted string")
-    local.add_argument("--engine-host", default="127.0.0.1", help="address the engines listen on (default: %(default)s)")
+    local.add_argument("--model", help="checkpoint directory the engines serve (required with --provider local)")
+    local.add_argument("--engine-args", default="",
+                       help="more engine flags, one quoted string, e.g. \"--max-num-seqs 32\" (default: none)")
+    local.add_argument("--engine-host", default="127.0.0.1",
+                       help="address the engines listen on (default: %(default)s)")
     local.add_argument("--drain-timeout", type=float, default=60.0,
                        help="seconds a drained engine may take to finish its requests (its --shutdown-timeout) "
                             "(default: %(default)s)")
-    local.add_argument("--log-dir", type=Path, help="write each engine's log to DIR/<replica>.log")
+    local.add_argument("--log-dir", type=Path,
+                       help="write each engine's log to DIR/<replica>.log (default: prefixed to this process's output)")
     add_tls_args(parser)  # its health service; the local provider's engines get the same files
     add_logging_args(parser)  # the local provider's engines log the same way, unless --engine-args say otherwise
     return parser

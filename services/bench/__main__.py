@@ -1,4 +1,4 @@
-"""`strata bench serve|offline|compare|llamacpp ...`: hands the rest of the arguments to that tool."""
+"""`strata bench <tool> ...`: hands the rest of the arguments to that tool (one of TOOLS)."""
 
 import importlib
 import sys

@@ -140,16 +140,19 @@ def wait_healthy(process: subprocess.Popen, port: int, timeout_s: float = 300.0)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata bench llamacpp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=("build", "convert", "serve"))
-    p.add_argument("--model", default=None, help="Strata/HF checkpoint directory (convert, serve)")
+    p.add_argument("action", choices=("build", "convert", "serve"),
+                   help="build: llama-server from the sdist; convert: also the checkpoint to GGUF; serve: also "
+                        "start llama-server on it")
+    p.add_argument("--model", default=None, help="Strata/HF checkpoint directory (convert, serve; required there)")
     p.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES), help="GGUF weights (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8081)
+    p.add_argument("--port", type=int, default=8081, help="llama-server's port (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="-t and -tb of llama-server (default: %(default)s)")
     p.add_argument("--parallel", type=int, default=64, help="slots, i.e. concurrent streams (default: %(default)s)")
     p.add_argument("--ctx-per-slot", type=int, default=1024,
                    help="context per slot; -c is parallel x this (default: %(default)s, fits 512 + 256 tokens)")
     p.add_argument("--server-args", default="",
-                   help="more llama-server flags, one quoted string (e.g. \"-ctk f32 -ctv f32\": its K/V cache is f16 by default)")
+                   help="more llama-server flags, one quoted string (e.g. \"-ctk f32 -ctv f32\": its K/V cache is f16 "
+                        "by default)")
     p.add_argument("--version", default=VERSION, help="llama-cpp-python sdist to build from (default: %(default)s)")
     return p
 

@@ -33,23 +33,29 @@ BASELINES = ("hf-batch1", "hf-static", "floor")
 def build_parser() -> argparse.ArgumentParser:
     from services.engine.engine_args import add_engine_args
 
-    parser = argparse.ArgumentParser(prog="strata bench offline", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="strata bench offline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES),
                         help="random-weight Llama shape when --model is not given (default: %(default)s)")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: %(default)s)")
     parser.add_argument("--input-len", default="64,512", help="prompt length range lo,hi (default: %(default)s)")
     parser.add_argument("--output-len", default="64,256", help="output length range lo,hi (default: %(default)s)")
-    parser.add_argument("--baselines", default=",".join(BASELINES), help="comma list of %s, or none" % ", ".join(BASELINES))
-    parser.add_argument("--hf-batch1-prompts", type=int, default=6, help="requests the batch-1 baseline runs")
-    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--baselines", default=",".join(BASELINES),
+                        help="comma list of %s, or none (default: all)" % ", ".join(BASELINES))
+    parser.add_argument("--hf-batch1-prompts", type=int, default=6,
+                        help="requests the batch-1 baseline runs (default: %(default)s)")
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
     parser.add_argument("--step-dtypes", default="float32,bfloat16",
                         help="batch-1 decode step section: comma list of dtypes, or none (default: %(default)s)")
-    parser.add_argument("--step-context", type=int, default=256, help="context of the batch-1 steps (tokens)")
-    parser.add_argument("--step-repeats", type=int, default=50, help="steps (and linear-floor passes) per median")
+    parser.add_argument("--step-context", type=int, default=256,
+                        help="context of the batch-1 steps, tokens (default: %(default)s)")
+    parser.add_argument("--step-repeats", type=int, default=50,
+                        help="steps (and linear-floor passes) per median (default: %(default)s)")
     parser.add_argument("--save-result", action="store_true", help="write the JSON result file")
-    parser.add_argument("--result-dir", default="results")
-    parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--result-dir", default="results", help="where --save-result writes (default: %(default)s)")
+    parser.add_argument("--result-filename", default=None, help="the JSON file's name (default: "
+                        "offline-<date-time>.json)")
     return parser
 
 

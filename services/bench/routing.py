@@ -28,18 +28,22 @@ POLICIES = ("cache-aware", "round-robin")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata bench routing", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="strata bench routing", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint directory (default: the built-in model)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight Llama of this shape instead")
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--max-concurrency", type=int, default=8)
-    parser.add_argument("--prefix-num", type=int, default=8)
-    parser.add_argument("--prefix-len", type=int, default=512)
-    parser.add_argument("--suffix-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="a random-weight Llama of this shape instead (default: none)")
+    parser.add_argument("--replicas", type=int, default=2, help="engines behind the router (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=128, help="requests per policy (default: %(default)s)")
+    parser.add_argument("--max-concurrency", type=int, default=8, help="requests in flight (default: %(default)s)")
+    parser.add_argument("--prefix-num", type=int, default=8, help="system prompts (default: %(default)s)")
+    parser.add_argument("--prefix-len", type=int, default=512, help="tokens per system prompt (default: %(default)s)")
+    parser.add_argument("--suffix-len", type=int, default=32,
+                        help="tokens of each request's own question (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=16,
+                        help="tokens generated per request (default: %(default)s)")
     parser.add_argument("--num-kv-blocks", type=int, default=160, help="each engine's pool (default: %(default)s)")
-    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts (default: %(default)s)")
     return parser
 
 

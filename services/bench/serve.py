@@ -61,70 +61,99 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_argument_group("target")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
-    target.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
+    target.add_argument("--endpoint", default="/v1/completions",
+                        help="/v1/completions or /v1/chat/completions (default: %(default)s)")
     target.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     target.add_argument("--baseline-url", default=None,
-                        help="a second OpenAI-compatible server to run the same workload on, e.g. llama-server")
+                        help="a second OpenAI-compatible server to run the same workload on, e.g. llama-server "
+                             "(default: none)")
     target.add_argument("--baseline-model", default=None, help="model name there (default: its first of /v1/models)")
-    target.add_argument("--baseline-name", default="baseline", help="the baseline's name in tables and file names")
+    target.add_argument("--baseline-name", default="baseline",
+                        help="the baseline's name in tables and file names (default: %(default)s)")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     data = p.add_argument_group("workload")
-    data.add_argument("--dataset-name", default="random", choices=DATASETS)
+    data.add_argument("--dataset-name", default="random", choices=DATASETS,
+                      help="random: random prompts of --random-input-len; fixed: one prompt repeated; shared-prefix: "
+                           "--prefix-num system prompts before each user's question; custom: --dataset-path "
+                           "(default: %(default)s)")
     data.add_argument("--dataset-path", default=None, help="custom: ShareGPT JSON or JSONL of {prompt, output_tokens}")
     data.add_argument("--num-prompts", type=int, default=None,
-                      help=f"requests per sweep point (default {DEFAULT_NUM_PROMPTS}); with "
-                           "--request-rate-schedule the schedule sets the count and this is only a bound "
-                           "it must not exceed (default: none)")
-    data.add_argument("--num-warmups", type=int, default=0, help="requests sent first and not counted")
+                      help=f"requests per sweep point (default: {DEFAULT_NUM_PROMPTS}); with "
+                           "--request-rate-schedule the schedule sets the count, and this, when given, is a bound "
+                           "it must not exceed")
+    data.add_argument("--num-warmups", type=int, default=0,
+                      help="requests sent first and not counted (default: %(default)s)")
     data.add_argument("--prompt-format", default="auto", choices=("auto", "token-ids", "text"),
-                      help="auto: token ids on /v1/completions, text on chat")
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0)
+                      help="auto: token ids on /v1/completions, text on chat (default: %(default)s)")
+    data.add_argument("--random-input-len", type=int, default=1024,
+                      help="prompt tokens (random, fixed; random: their mean with --random-range-ratio) "
+                           "(default: %(default)s)")
+    data.add_argument("--random-output-len", type=int, default=128,
+                      help="max_tokens of each request (random: their mean with a range ratio; custom: when a "
+                           "conversation has no reply) (default: %(default)s)")
+    data.add_argument("--random-range-ratio", type=float, default=0.0,
+                      help="random: lengths uniform in len x (1 ± r), r in [0, 1) (default: %(default)s: exact "
+                           "lengths)")
     data.add_argument("--random-output-range-ratio", type=float, default=None,
                       help="the outputs' own range ratio (default: --random-range-ratio)")
     data.add_argument("--random-vocab-size", type=int, default=256,
-                      help="token-id prompts draw ids from [0, N); keep N within the model's vocabulary")
-    data.add_argument("--prefix-num", type=int, default=4, help="shared-prefix: number of system prompts")
-    data.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per system prompt")
-    data.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: tokens of each user's question")
-    data.add_argument("--custom-output-len", type=int, default=None, help="custom: max_tokens for every request")
+                      help="token-id prompts draw ids from [0, N); keep N within the model's vocabulary "
+                           "(default: %(default)s)")
+    data.add_argument("--prefix-num", type=int, default=4,
+                      help="shared-prefix: number of system prompts (default: %(default)s)")
+    data.add_argument("--prefix-len", type=int, default=512,
+                      help="shared-prefix: tokens per system prompt (default: %(default)s)")
+    data.add_argument("--suffix-len", type=int, default=64,
+                      help="shared-prefix: tokens of each user's question (default: %(default)s)")
+    data.add_argument("--custom-output-len", type=int, default=None,
+                      help="custom: max_tokens for every request (default: each conversation's own)")
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=_floats, default=None,
                       help="requests/s, Poisson arrivals; inf = all at once (default); a comma list sweeps")
     load.add_argument("--request-rate-schedule", type=_schedule, default=None, metavar="RATE:SECONDS,...",
                       help="a rate that changes during one run, e.g. 2:60,20:120,2:120: each segment's rate "
                            "(requests/s, finite, 0 pauses) for its seconds, in order; replaces --request-rate")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1.0 = Poisson)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps (1.0 = Poisson) (default: %(default)s)")
     load.add_argument("--max-concurrency", type=_ints, default=[None],
-                      help="cap on requests in flight; a comma list sweeps")
-    load.add_argument("--max-duration", type=float, default=None, help="stop each sweep point after this many seconds")
-    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for any response byte")
-    load.add_argument("--seed", type=int, default=0)
+                      help="cap on requests in flight; a comma list sweeps (default: none)")
+    load.add_argument("--max-duration", type=float, default=None,
+                      help="stop each sweep point after this many seconds (default: none)")
+    load.add_argument("--request-timeout", type=float, default=600.0,
+                      help="seconds to wait for any response byte (default: %(default)s)")
+    load.add_argument("--seed", type=int, default=0,
+                      help="seed of the workload; sweep point i uses seed + i (default: %(default)s)")
     fleet = p.add_argument_group("timeline (recorded with a schedule or --timeline-metrics-url)")
     fleet.add_argument("--timeline-metrics-url", action="append", default=None, metavar="URL",
                        help="Prometheus /metrics to scrape during the run for the autoscaler's replica counts "
                             "and waiting requests (the autoscaler's, or every engine's: strata up lists them); "
                             "repeat or comma-separate (default: the target's /metrics)")
-    fleet.add_argument("--timeline-interval", type=float, default=1.0, help="seconds between timeline samples")
+    fleet.add_argument("--timeline-interval", type=float, default=1.0,
+                       help="seconds between timeline samples (default: %(default)s)")
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (exact output lengths)")
-    sampling.add_argument("--temperature", type=float, default=None)
+    sampling.add_argument("--temperature", type=float, default=None,
+                          help="sent as temperature (default: not sent, the server's default)")
     sampling.add_argument("--continuous-usage-stats", action="store_true",
                           help="ask for usage in every chunk (vLLM extension): exact tokens per chunk")
-    sampling.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+    sampling.add_argument("--extra-body", type=json.loads, default={},
+                          help="JSON merged into every request body (default: none)")
     out = p.add_argument_group("output")
-    out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", help="sections to print")
-    out.add_argument("--metric-percentiles", type=_floats, default=[90.0, 99.0])
-    out.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:200 tpot:50")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                     help="sections to print, a comma list (default: %(default)s)")
+    out.add_argument("--metric-percentiles", type=_floats, default=[90.0, 99.0],
+                     help="percentiles printed per metric, a comma list (default: 90,99)")
+    out.add_argument("--goodput", nargs="+", default=None,
+                     help="SLOs in ms, e.g. ttft:200 tpot:50 (default: none, no goodput)")
     out.add_argument("--save-result", action="store_true", help="write the JSON result and PNG plots")
     out.add_argument("--save-detailed", action="store_true", help="keep per-request samples in the JSON")
-    out.add_argument("--result-dir", default=".")
-    out.add_argument("--result-filename", default=None)
+    out.add_argument("--result-dir", default=".", help="where --save-result writes (default: %(default)s)")
+    out.add_argument("--result-filename", default=None,
+                     help="the JSON file's name (default: serve-<dataset>-<model>-<date-time>.json)")
     out.add_argument("--no-plots", action="store_true", help="with --save-result, skip the PNGs")
-    out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar (default: one per sweep point)")
     return p
 
 

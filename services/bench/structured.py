@@ -47,16 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata bench structured", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint to serve (default: the built-in model)")
-    parser.add_argument("--base-url", help="a running server instead of starting one")
-    parser.add_argument("--served-model-name", default="bench", help="model name to request (with --base-url)")
-    parser.add_argument("--engine-args", default="", help="extra engine flags when starting the stack")
+    parser.add_argument("--base-url", help="a running server instead of starting one (default: none)")
+    parser.add_argument("--served-model-name", default="bench",
+                        help="model name to request (with --base-url) (default: %(default)s)")
+    parser.add_argument("--engine-args", default="",
+                        help="extra engine flags when starting the stack, one quoted string (default: none)")
     parser.add_argument("--schema", help="a JSON schema file (default: a 20-property object)")
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--max-concurrency", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids)")
-    parser.add_argument("--max-tokens", type=int, default=400, help="max_tokens of the constrained requests")
-    parser.add_argument("--num-compile-probes", type=int, default=5, help="requests per compilation probe")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-prompts", type=int, default=128,
+                        help="requests of the throughput runs, each (default: %(default)s)")
+    parser.add_argument("--max-concurrency", type=int, default=64,
+                        help="streams in flight, and the started engine's --max-num-seqs (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids) (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=400,
+                        help="max_tokens of the constrained requests (default: %(default)s)")
+    parser.add_argument("--num-compile-probes", type=int, default=5,
+                        help="requests per compilation probe (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: %(default)s)")
     return parser
 
 

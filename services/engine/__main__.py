@@ -18,21 +18,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="model name reported to clients (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50052, help="gRPC port, 0 for any (default: %(default)s)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: none)")
     parser.add_argument("--shutdown-timeout", type=float, default=60.0,
                         help="seconds running requests may take to finish after SIGTERM (the drain); what is left "
                              "then ends with UNAVAILABLE (default: %(default)s)")
     parser.add_argument("--nats-url", help="publish KV-cache events and load reports on this NATS server "
-                        "(e.g. nats://127.0.0.1:4222), for the router")
+                        "(e.g. nats://127.0.0.1:4222), for the router (default: none, no events)")
     parser.add_argument("--advertise-address",
-                        help="the host (name or IP) routers should dial, in the load reports; default: --host, or "
-                             "this machine's name when --host is a wildcard (in a pod: its IP, $(POD_IP))")
+                        help="the host (name or IP) routers should dial, in the load reports (default: --host, or "
+                             "this machine's name when --host is a wildcard; in a pod: its IP, $(POD_IP))")
     parser.add_argument("--load-report-interval", type=float, default=1.0,
                         help="seconds between load reports on NATS (default: %(default)s)")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between the stats lines logged while there is traffic (throughput, "
                              "running/waiting, KV cache usage, prefix cache hit rate) (default: %(default)s)")
-    parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats lines (default: logged every --log-stats-interval)")
     parser.add_argument("--trace-steps", action="store_true",
                         help="one span per engine step (engine.step: batch size, prefill and decode tokens, step "
                              "time), linked to the spans of the requests it served; exported where traces are "

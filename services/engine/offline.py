@@ -16,20 +16,32 @@ from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="strata generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     parser.add_argument("--prompt", action="append", required=True,
                         help="a prompt; repeat the flag for several, run together in one batch")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt "
+                        "(default: %(default)s)")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="tokens generated before EOS or a stop token may end a prompt's output "
+                             "(default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--sampling-seed", type=int, help="per-request seed (reproducible sampling)")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt (ids and text)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the smallest set of tokens whose probability adds up to this "
+                             "(default: %(default)s: every token)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample from the k most likely tokens; 0: off (default: %(default)s)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than this fraction of the most likely one "
+                             "(default: %(default)s: off)")
+    parser.add_argument("--sampling-seed", type=int,
+                        help="per-request seed (reproducible sampling) (default: the engine's generator, --seed)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past EOS, up to --max-tokens (default: stop at EOS)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per prompt (ids and text) (default: the text)")
     return parser
 
 

@@ -10,7 +10,7 @@ import uvicorn
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
-from services.gateway.app import GatewayConfig, create_app
+from services.gateway.app import MAX_BODY_BYTES_LIMIT, GatewayConfig, create_app
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.validation import Limits
 
@@ -18,8 +18,8 @@ from services.gateway.validation import Limits
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     defaults = Limits()
     parser = argparse.ArgumentParser(prog="strata gateway", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     parser.add_argument("--tokenizer-addr", required=True, help="host:port of the tokenizer service")
     parser.add_argument("--engine-addr", required=True, help="host:port of an engine or the router")
     parser.add_argument("--served-model-name", default=None,
@@ -28,28 +28,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="read the API key from this file (a mounted secret); not echoed anywhere")
     parser.add_argument("--shutdown-timeout", type=float, default=60.0,
                         help="seconds running streams may take to finish after SIGTERM; new requests get 503 "
-                             "meanwhile, and a stream still running then ends with an error event (default: %(default)s)")
+                             "meanwhile, and a stream still running then ends with an error event "
+                             "(default: %(default)s)")
     add_tls_args(parser)
     parser.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $STRATA_API_KEY)")
-    parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n per request")
-    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
+    parser.add_argument("--max-n", type=int, default=defaults.max_n,
+                        help="largest n per request; more is a 400 (default: %(default)s)")
+    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
+                        help="most stop strings per request; more is a 400 (default: %(default)s)")
     parser.add_argument("--max-prompts", type=int, default=defaults.max_prompts,
-                        help="most prompts in one /v1/completions request")
+                        help="most prompts in one /v1/completions request; more is a 400 (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
-                        help="largest request body; more is a 413 (default: %(default)s, at most 16 MiB)")
+                        help=f"largest request body, bytes; more is a 413 (default: %(default)s; at most "
+                              f"{MAX_BODY_BYTES_LIMIT >> 20} MiB)")
     parser.add_argument("--max-sequences-per-request", type=int, default=defaults.max_sequences_per_request,
                         help="most sequences (n x prompts) one request may generate; more is a 400 "
                              "(default: %(default)s, below one default engine's batch and queue)")
     parser.add_argument("--max-concurrent-requests", type=int, default=GatewayConfig.max_concurrent_requests,
                         help="generation requests served at once (streams until their end); more are refused "
                              "at once with 503 and Retry-After (default: %(default)s)")
-    parser.add_argument("--request-timeout", type=float, default=3600.0,
-                        help="deadline of one generation, seconds")
+    parser.add_argument("--request-timeout", type=float, default=GatewayConfig.request_timeout_s,
+                        help="seconds one generation may take, from its Generate call to its last token "
+                             "(the deadline of its gRPC calls) (default: %(default)s)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="the model's tool-call format (hermes: Hermes 2 Pro, Qwen2.5, Qwen3)")
+                        help="the model's tool-call format (hermes: Hermes 2 Pro, Qwen2.5, Qwen3) (default: none)")
     add_logging_args(parser)
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

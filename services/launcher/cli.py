@@ -26,38 +26,49 @@ ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "bloc
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="strata up", description=__doc__.split("\n\n")[0])
+    defaults = StackConfig()
     parser.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in model)")
-    parser.add_argument("--host", default="127.0.0.1", help="address of the gateway (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port of the gateway (default: %(default)s)")
-    parser.add_argument("--served-model-name", help="the model name clients send")
+    parser.add_argument("--host", default=defaults.host, help="address of the gateway (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="port of the gateway (default: %(default)s)")
+    parser.add_argument("--served-model-name",
+                        help="the model name clients send (default: --model, or strata-tiny-v1 for the built-in model)")
     parser.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $STRATA_API_KEY; the gateway gets "
                              "it in its environment, and it is never printed)")
-    parser.add_argument("--replicas", type=int, default=1,
+    parser.add_argument("--replicas", type=int, default=defaults.replicas,
                         help="engine replicas; more than one adds a router (and NATS for its prefix-aware "
                              "routing) in front of them (default: %(default)s)")
     engine = parser.add_argument_group("engine (passed through when given; `strata engine --help` lists them all)")
     add_engine_passthrough_args(engine, [*ENGINE_FLAGS, "enable_prefix_caching"])
     engine.add_argument("--engine-args", default="",
-                        help="more engine flags, one quoted string (a single flag: --engine-args=--flag)")
+                        help="more engine flags, one quoted string, e.g. \"--stream-interval 4\" (a single flag: "
+                             "--engine-args=--flag) (default: none)")
     gateway = parser.add_argument_group("gateway")
     gateway.add_argument("--enable-auto-tool-choice", action="store_true",
                          help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
-    gateway.add_argument("--tool-call-parser", help="the model's tool-call format, e.g. hermes")
-    gateway.add_argument("--gateway-args", default="", help="more gateway flags, one quoted string")
+    gateway.add_argument("--tool-call-parser", help="the model's tool-call format, e.g. hermes (default: none)")
+    gateway.add_argument("--gateway-args", default="",
+                         help="more gateway flags, one quoted string, e.g. \"--max-n 4\" (default: none)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat_template (off by default: a template is code the "
                              "tokenizer runs; it renders in a sandbox with time and size limits)")
-    parser.add_argument("--tokenizer-args", default="", help="more tokenizer flags, one quoted string")
+    parser.add_argument("--tokenizer-args", default="",
+                        help="more tokenizer flags, one quoted string, e.g. \"--workers 2\" (default: none)")
     scaling = parser.add_argument_group("autoscaling (engines added and drained on queue length and KV usage)")
     scaling.add_argument("--autoscale", action="store_true",
                          help="let the autoscaler run the engines, between --min-replicas and --max-replicas "
                               "(instead of --replicas)")
-    scaling.add_argument("--min-replicas", type=int, default=1, help="(default: %(default)s)")
-    scaling.add_argument("--max-replicas", type=int, default=3, help="(default: %(default)s)")
+    scaling.add_argument("--min-replicas", type=int, default=defaults.min_replicas,
+                         help="fewest engines the autoscaler keeps running (default: %(default)s)")
+    scaling.add_argument("--max-replicas", type=int, default=defaults.max_replicas,
+                         help="most engines it runs at once; each one's threads are the cores divided by this "
+                              "number (default: %(default)s)")
     scaling.add_argument("--autoscaler-args", default="",
-                         help="more autoscaler flags, one quoted string, e.g. \"--target-waiting 4 --cooldown 10\"")
-    parser.add_argument("--router-args", default="", help="router flags (with --replicas > 1), one quoted string")
+                         help="more autoscaler flags, one quoted string, e.g. \"--target-waiting 4 --cooldown 10\" "
+                              "(default: none)")
+    parser.add_argument("--router-args", default="",
+                        help="router flags (with --replicas > 1 or --autoscale), one quoted string, e.g. "
+                             "\"--policy round-robin\" (default: none)")
     tls = parser.add_argument_group("TLS on every gRPC hop (services.common.tls)")
     tls.add_argument("--tls-cert", type=Path, help="certificate (PEM) every service serves and presents")
     tls.add_argument("--tls-key", type=Path, help="its private key (PEM)")
@@ -69,8 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-format", choices=LOG_FORMATS,
                         help="every service's --log-format: text, or json (one object per line, with trace and "
                              "request ids) (default: text)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds (default: %(default)s)")
-    parser.add_argument("--grace", type=float, default=70.0,
+    parser.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout_s,
+                        help="seconds the services may take to become healthy, the built-in model's first build "
+                             "and the engine's graph compilation included (default: %(default)s)")
+    parser.add_argument("--grace", type=float, default=defaults.grace_s,
                         help="seconds the stack may take to stop after Ctrl-C/SIGTERM: running streams finish "
                              "first (the drain), then SIGKILL; a second Ctrl-C stops at once (default: %(default)s)")
     return parser.parse_args(argv)

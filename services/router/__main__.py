@@ -15,17 +15,17 @@ from services.router.server import serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata router", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="strata router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50060, help="port, 0 for any free one (default: %(default)s)")
     parser.add_argument("--engine-addrs", default="",
                         help="comma-separated host:port of the engine replicas (more can join by their load reports on "
-                             "an authenticated NATS)")
+                             "an authenticated NATS) (default: none: only those that join)")
     parser.add_argument("--nats-url", help="follow the engines' KV events and load reports here; without it, "
-                        "routing is by load (polled) alone")
+                        "routing is by load (polled) alone (default: none)")
     parser.add_argument("--prefix-cache-hash-seed", type=int, default=DEFAULT_HASH_SEED,
                         help="the engines' --prefix-cache-hash-seed (default: %(default)s)")
-    parser.add_argument("--router-id", default="router-0", help="this router's id in Info and Load")
+    parser.add_argument("--router-id", default="router-0", help="this router's id in Info and Load (default: %(default)s)")
     parser.add_argument("--health-check-interval", type=float, default=1.0,
                         help="seconds between replica health checks (default: %(default)s)")
     parser.add_argument("--forget-after", type=float, default=30.0,
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", default="cache-aware", choices=POLICIES,
                         help="cache-aware: most prefix-cache overlap while the load is balanced, least load "
                              "otherwise; round-robin: neither (a baseline) (default: %(default)s)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: none)")
     parser.add_argument("--shutdown-timeout", type=float, default=60.0,
                         help="seconds the streams it relays may take to finish after SIGTERM; new requests are "
                              "refused meanwhile (default: %(default)s)")
