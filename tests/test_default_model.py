@@ -3,6 +3,8 @@
 import hashlib
 import json
 
+import pytest
+
 from services.common import model_cli
 from services.common.default_model import MODEL_NAME, SPECIAL_TOKENS, build_default_model, ensure_default_model
 
@@ -61,8 +63,27 @@ def test_cli_init_prints_the_path_and_force_rebuilds(tmp_path, capsys, monkeypat
     path = tmp_path / "from-env" / "models" / MODEL_NAME
     assert capsys.readouterr().out.strip() == str(path)
     (path / "marker").write_text("stale")
-    assert model_cli.main(["init", "--dir", str(tmp_path / "from-env")]) == 0
+    assert model_cli.main(["init", "--dir", str(path)]) == 0
     assert (path / "marker").exists()
-    assert model_cli.main(["init", "--dir", str(tmp_path / "from-env"), "--force"]) == 0
+    assert model_cli.main(["init", "--dir", str(path), "--force"]) == 0
     assert not (path / "marker").exists() and _hashes(path)
     assert [p.name for p in path.parent.iterdir()] == [MODEL_NAME]
+
+
+def test_cli_init_dir_is_the_model_directory_itself(tmp_path, capsys, default_model_dir):
+    target = tmp_path / "my-model"
+    assert model_cli.main(["init", "--dir", str(target)]) == 0
+    assert capsys.readouterr().out.strip() == str(target)
+    assert _hashes(target) == _hashes(default_model_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-model"]  # nothing beside it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert model_cli.main(["init", "--dir", str(empty)]) == 0 and _hashes(empty) == _hashes(default_model_dir)
+
+
+def test_cli_init_refuses_a_directory_holding_something_else(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        model_cli.main(["init", "--dir", str(tmp_path), "--force"])
+    assert exit_info.value.code == 2 and "is not the built-in model" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -1,11 +1,12 @@
 """The built-in default checkpoint: a tiny random-weight Llama in Hugging Face format, built offline.
 
-`ensure_default_model()` returns its directory, building it on first use. The build needs neither
-torch nor the network: the tokenizer is a byte-level BPE trained with `tokenizers` on a corpus
-shipped beside this module, and the weights are drawn with numpy from a fixed seed and written with
-`safetensors.numpy`. With the same seed and library versions it writes the same bytes. The result
-loads in `transformers.AutoTokenizer` and `AutoModelForCausalLM`; its text is nonsense, its shapes,
-tokenizer and chat template are real.
+`ensure_default_model()` returns its directory, building it on first use; `ensure_model_at(DIR)`
+builds it in a directory of one's choice. The build needs neither torch nor the network: the
+tokenizer is a byte-level BPE trained with `tokenizers` on a corpus shipped beside this module, and
+the weights are drawn with numpy from a fixed seed and written with `safetensors.numpy`. With the
+same seed and library versions it writes the same bytes. The result loads in
+`transformers.AutoTokenizer` and `AutoModelForCausalLM`; its text is nonsense, its shapes, tokenizer
+and chat template are real.
 """
 
 import json
@@ -55,28 +56,40 @@ def default_cache_dir() -> Path:
 
 
 def ensure_default_model(cache_dir: str | Path | None = None, *, force: bool = False) -> Path:
-    """Returns `<cache_dir>/models/strata-tiny-v1`, building it first when absent (or when `force`).
+    """Returns `<cache_dir>/models/strata-tiny-v1` (`cache_dir`: `default_cache_dir()` when None),
+    building it first when absent (or when `force`): `ensure_model_at` that directory."""
+    return ensure_model_at(Path(cache_dir or default_cache_dir()) / "models" / MODEL_NAME, force=force)
+
+
+def ensure_model_at(target: str | Path, *, force: bool = False) -> Path:
+    """Builds the model into the directory `target` itself unless it holds it already (or when
+    `force`), and returns `target`. A directory that exists, is not empty and holds no `config.json`
+    is refused (ValueError): it is something else, not to be overwritten.
 
     The directory appears atomically (built in a temporary sibling, then renamed), so a present
     directory is always complete and concurrent callers never see a partial checkpoint.
     """
-    target = Path(cache_dir or default_cache_dir()) / "models" / MODEL_NAME
-    if target.is_dir() and not force:
+    target = Path(target)
+    is_model = (target / "config.json").is_file()
+    if is_model and not force:
         return target
+    if target.is_dir() and not is_model and any(target.iterdir()):
+        raise ValueError(f"{target} exists and is not the built-in model ({MODEL_NAME}); give a new or empty "
+                         "directory")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         build_default_model(staging)
         for path in (staging, *staging.iterdir()):  # mkdtemp and safetensors make them private
             path.chmod(0o755 if path.is_dir() else 0o644)
-        if force and target.is_dir():
-            retired = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.old.", dir=target.parent))
-            os.replace(target, retired / MODEL_NAME)
+        if force and is_model:
+            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+            os.replace(target, retired / target.name)
             shutil.rmtree(retired)
         try:
-            os.rename(staging, target)
+            os.rename(staging, target)  # onto an empty directory too
         except OSError:
-            if not target.is_dir():  # not a lost race with another builder
+            if not (target / "config.json").is_file():  # not a lost race with another builder
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

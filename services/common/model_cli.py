@@ -2,17 +2,24 @@
 
 import argparse
 
-from services.common.default_model import MODEL_NAME, default_cache_dir, ensure_default_model
+from services.common.default_model import MODEL_NAME, default_cache_dir, ensure_default_model, ensure_model_at
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata model", description="Manage the built-in default model.")
     commands = parser.add_subparsers(dest="command", required=True)
-    init = commands.add_parser("init", help=f"build {MODEL_NAME} (a no-op when it is already there)")
-    init.add_argument("--dir", help=f"cache directory (default: $STRATA_CACHE_DIR or {default_cache_dir()})")
+    init = commands.add_parser("init", help=f"build {MODEL_NAME} (a no-op when it is already there)",
+                               description=f"Build the built-in model, {MODEL_NAME}, and print its directory.")
+    init.add_argument("--dir", help="the model's directory itself, built unless it holds the model already; it must "
+                                    "be new, empty or hold the model (default: CACHE/models/" + MODEL_NAME + ", CACHE "
+                                    "being $STRATA_CACHE_DIR or ~/.cache/strata, now " + str(default_cache_dir()) +
+                                    ": where commands look for it when given no --model)")
     init.add_argument("--force", action="store_true", help="rebuild even when the model is already there")
     args = parser.parse_args(argv)
-    print(ensure_default_model(args.dir, force=args.force))
+    try:
+        print(ensure_model_at(args.dir, force=args.force) if args.dir else ensure_default_model(force=args.force))
+    except ValueError as error:
+        parser.exit(2, f"strata model init: {error}\n")
     return 0
 
 
