@@ -17,6 +17,7 @@ from services.common.grpc_server import GrpcServer
 from services.common.logging_setup import JsonFormatter, RequestContextFilter
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from tests.common.spans import in_memory_exporter
+from tests.waiting import until
 
 GENERATE, LOAD = "strata.v1.Engine/Generate", "strata.v1.Engine/Load"
 log = logging.getLogger("tests.fake_engine")
@@ -114,14 +115,6 @@ def test_a_call_in_a_trace_is_a_client_span_over_the_servers_span(exporter):
     assert line["span_id"] == format(server.context.span_id, "016x")
 
 
-async def until(condition, timeout_s: float = 5.0) -> None:
-    """Returns once ``condition()`` holds; fails after ``timeout_s``."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
-        await asyncio.sleep(0.01)
-
-
 def test_a_failed_call_marks_both_spans_and_outside_a_trace_there_is_no_client_span(exporter):
     exporter.clear()
 
@@ -160,7 +153,9 @@ def test_a_stream_closed_from_outside_detaches_no_context(exporter, caplog):
     async def scenario(stub, address, servicer):
         call = stub.Generate(engine_pb2.GenerateRequest(request_id="big"), timeout=10)
         await call.read()
-        await asyncio.sleep(0.2)  # the server fills the flow-control window and waits
+        # Part of the scenario, not a wait for a result: the time for the server to fill the
+        # flow-control window and wait at a yield, then for the cancel to reach it there.
+        await asyncio.sleep(0.2)
         call.cancel()
         await asyncio.sleep(0.2)
 

@@ -3,18 +3,14 @@ router serve TLS with client certificates required; a client with the stack's ce
 (through the router, which presents its own certificate to the engine), while a plaintext client, a
 client without a certificate and one whose certificate another CA signed are all refused."""
 
-import time
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.health_probe import serving
-from services.common.pb import engine_pb2, engine_pb2_grpc
+from services.common.pb import engine_pb2_grpc
 from services.common.tls import TlsFiles, sync_channel
-from tests.engine.test_engine_server import EngineProcess, generate_request
-from tests.nats_server import NatsServer
-from tests.router.test_router import RouterProcess
+from tests.processes import EngineProcess, NatsServer, RouterProcess, generate_request
 from tests.tls_certs import make_tls
 
 
@@ -23,23 +19,14 @@ def tls_fleet(default_model_dir, tmp_path_factory, free_port_factory):
     directory = tmp_path_factory.mktemp("tls")
     stack_tls, stranger_tls = make_tls(directory)
     engine_port, router_port = free_port_factory(), free_port_factory()
-    nats = NatsServer(free_port_factory())
-    engine = EngineProcess(default_model_dir, engine_port, directory / "engine.log",
-                           ("--replica-id", "tls-0", *stack_tls.flags()))
-    router = RouterProcess(router_port, [f"127.0.0.1:{engine_port}"], nats.url, directory / "router.log",
-                           free_port_factory(), check_interval_s=0.5, extra_args=tuple(stack_tls.flags()))
-    try:
-        deadline = time.monotonic() + 90
-        while not serving(f"127.0.0.1:{router_port}", timeout_s=1.0, tls=stack_tls):
-            assert engine.process.poll() is None, engine.log_path.read_text()[-2000:]
-            assert router.process.poll() is None, router.log_path.read_text()[-2000:]
-            assert time.monotonic() < deadline, router.log_path.read_text()[-2000:]
-            time.sleep(0.2)
-        yield f"127.0.0.1:{router_port}", f"127.0.0.1:{engine_port}", stack_tls, stranger_tls
-    finally:
-        router.close()
-        engine.close()
-        nats.stop()
+    with NatsServer(free_port_factory()) as nats, \
+            EngineProcess(default_model_dir, engine_port, directory / "engine.log",
+                          ("--replica-id", "tls-0", *stack_tls.flags())) as engine, \
+            RouterProcess(router_port, [f"127.0.0.1:{engine_port}"], nats.url, directory / "router.log",
+                          free_port_factory(), check_interval_s=0.5, extra_args=tuple(stack_tls.flags())) as router:
+        engine.wait_until(lambda: serving(engine.address, timeout_s=1.0, tls=stack_tls), what="SERVING over TLS")
+        router.wait_until(lambda: serving(router.address, timeout_s=1.0, tls=stack_tls), what="SERVING over TLS")
+        yield router.address, engine.address, stack_tls, stranger_tls
 
 
 def generate(address: str, tls: TlsFiles | None) -> int:

@@ -12,6 +12,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine_args import add_engine_args, config_from_args
 from services.engine.engine_core import EngineCore
 from services.engine.sampling_params import SamplingParams
+from tests.waiting import until
 
 
 def parse(*argv: str) -> EngineConfig:
@@ -53,7 +54,7 @@ def test_generate_is_refused_at_once_past_the_bound_and_admitted_again_below_it(
         started = await asyncio.gather(*(first_output(f"long-{i}", s) for i, s in enumerate(streams[:2])))
         assert [request_id for request_id, _ in started] == ["long-0", "long-1"]
         queued = [asyncio.ensure_future(anext(s)) for s in streams[2:]]
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.num_active_requests == num_admitted, what=f"{num_admitted} requests admitted")
         extra = engine.generate("one-too-many", [3, 4], SamplingParams(max_tokens=2))
         try:
             refused = await asyncio.wait_for(anext(extra), timeout=0.5)

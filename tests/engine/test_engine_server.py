@@ -4,75 +4,27 @@ errors as status codes, cancellation freeing KV blocks, and draining on SIGTERM.
 import itertools
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.pb import engine_pb2, engine_pb2_grpc
+from services.common.pb import engine_pb2
 from services.engine.threads import OPENMP_SPIN_COUNT, openmp_wait_env
+from tests.processes import EngineProcess, generate_request
+from tests.waiting import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def generate_request(request_id: str, prompt: list[int], max_tokens: int, **sampling) -> engine_pb2.GenerateRequest:
-    return engine_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt,
-        sampling=engine_pb2.SamplingParams(**sampling),
-        stop=engine_pb2.StopCriteria(max_tokens=max_tokens, ignore_eos=True))
-
-
-class EngineProcess:
-    def __init__(self, model_dir, port: int, log_path, extra_args: tuple[str, ...] = ()) -> None:
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.engine", "--model", str(model_dir), "--port", str(port),
-                 "--num-kv-blocks", "256", "--max-num-seqs", "8", "--enforce-eager", "--shutdown-timeout", "20", *extra_args],
-                stdout=log, stderr=subprocess.STDOUT)
-        # Reconnect quickly, so polling sees the server as soon as it listens (during the model load).
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
-            ("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
-            ("grpc.max_reconnect_backoff_ms", 20)])
-        self.stub = engine_pb2_grpc.EngineStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    def wait_serving(self, timeout_s: float = 60) -> list[int]:
-        """Polls health until SERVING; returns every status seen on the way."""
-        seen = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log_path.read_text()
-            try:
-                status = self.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-            except grpc.RpcError:
-                time.sleep(0.01)
-                continue
-            seen.append(status)
-            if status == SERVING:
-                return seen
-            time.sleep(0.01)
-        raise TimeoutError(self.log_path.read_text())
-
-    def close(self) -> None:
-        self.channel.close()
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def engine(default_model_dir, tmp_path_factory, free_port_factory):
-    server = EngineProcess(default_model_dir, free_port_factory(), tmp_path_factory.mktemp("engine") / "engine.log",
-                           ("--num-threads", "1"))
-    server.statuses = server.wait_serving()
-    yield server
-    server.close()
+    with EngineProcess(default_model_dir, free_port_factory(), tmp_path_factory.mktemp("engine") / "engine.log",
+                       ("--num-threads", "1")) as server:
+        server.statuses = server.wait_serving()
+        yield server
 
 
 def test_health_not_serving_until_loaded_then_serving(engine):
@@ -140,26 +92,23 @@ def test_cancelled_streams_free_their_blocks(engine):
     assert load.num_running == 4 and load.num_kv_blocks_used > 0
     for call in calls:
         call.cancel()
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        load = engine.stub.Load(engine_pb2.LoadRequest(), timeout=5)
-        if load.num_running == load.num_waiting == load.num_kv_blocks_used == 0:
-            break
-        time.sleep(0.02)
-    assert (load.num_running, load.num_waiting, load.num_kv_blocks_used) == (0, 0, 0)
+    loads = []
+
+    def idle() -> bool:
+        loads.append(engine.stub.Load(engine_pb2.LoadRequest(), timeout=5))
+        return loads[-1].num_running == loads[-1].num_waiting == loads[-1].num_kv_blocks_used == 0
+
+    wait_until(idle, what=lambda: f"the cancelled requests still hold the engine: {loads[-1]}")
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(default_model_dir, tmp_path, free_port):
-    server = EngineProcess(default_model_dir, free_port, tmp_path / "engine.log")
-    try:
+    with EngineProcess(default_model_dir, free_port, tmp_path / "engine.log") as server:
         server.wait_serving()
         in_flight = server.stub.Generate(generate_request("long", [3, 4, 5], 300), timeout=60)
         first = next(in_flight)
         server.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while server.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status != NOT_SERVING:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        server.wait_until(lambda: server.health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                          == NOT_SERVING, what="NOT_SERVING after SIGTERM")
         with pytest.raises(grpc.RpcError) as error:
             list(server.stub.Generate(generate_request("late", [3, 4], 2), timeout=10))
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -167,5 +116,3 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(default_mod
         assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 300
         assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
         assert server.process.wait(timeout=30) == 0
-    finally:
-        server.close()

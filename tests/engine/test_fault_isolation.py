@@ -16,6 +16,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.protocol import sampling_params_from_proto
 from services.engine.sampling_params import SamplingParams
+from tests.waiting import until
 
 MAX_TOKENS = 24
 
@@ -137,7 +138,7 @@ def test_a_full_queue_refuses_new_requests_at_once(engine):
     async def run():
         long = [asyncio.create_task(collect(engine, f"long-{i}", [3, i], max_tokens=200, ignore_eos=True))
                 for i in range(engine.max_active)]
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.num_active_requests == engine.max_active, what="the queue full")
         refused = await collect(engine, "one-too-many", [3, 4], max_tokens=2)
         for task in long:
             task.cancel()

@@ -18,6 +18,7 @@ from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.sampling_params import SamplingParams
 from services.engine.server import EngineServicer
+from tests.waiting import until
 
 from .traced_generate import generate_in_a_span
 
@@ -37,8 +38,7 @@ def run_all_queued(engine: AsyncEngine, consume) -> dict:
 
     async def run():
         tasks = {request_id: asyncio.create_task(consume(request_id)) for request_id in MAX_TOKENS}
-        while engine.num_active_requests < len(tasks):
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.num_active_requests == len(tasks), what="every request arrived", poll_s=0.001)
         engine.start()
         return {request_id: await task for request_id, task in tasks.items()}
 

@@ -20,6 +20,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from services.engine.server import EngineServicer
 from services.engine.step_tracing import STEP_SPAN_NAME, StepTracer
+from tests.waiting import until
 
 from .traced_generate import generate_in_a_span
 
@@ -48,8 +49,7 @@ def test_each_step_span_links_to_the_requests_it_served(core):
 
     async def run():
         tasks = [asyncio.create_task(consume(request_id)) for request_id in MAX_TOKENS]
-        while engine.num_active_requests < len(tasks):
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.num_active_requests == len(tasks), what="every request arrived", poll_s=0.001)
         engine.start()
         await asyncio.gather(*tasks)
 

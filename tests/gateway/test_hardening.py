@@ -25,10 +25,11 @@ from services.gateway.request_body import parse_json_body
 from services.gateway.validation import GenerationParams, Limits, ModelFacts, validate_chat, validate_completion
 from tests.gateway.test_http_errors import FakeRpcError
 from tests.gateway.test_streaming import ScriptedChoices
+from tests.waiting import until
 
 CONFIG = GatewayConfig(tokenizer_addr="127.0.0.1:9", engine_addr="127.0.0.1:9", api_key="sk-test")
 AUTH = {"Authorization": "Bearer sk-test", "Content-Type": "application/json"}
-FACTS = ModelFacts(name="tiny", max_model_len=100, vocab_size=50)
+FACTS = ModelFacts(name="tiny", max_model_len=100)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +220,7 @@ def test_admission_refuses_past_the_bound_at_once_and_frees_slots():
 
     async def scenario():
         first, second = asyncio.create_task(call()), asyncio.create_task(call())
-        await asyncio.sleep(0.01)
+        await until(lambda: admission.num_in_progress == 2, what="both calls admitted")
         assert admission.num_in_progress == 2 and metrics.num_requests_admitted._value.get() == 2
         refused = await asyncio.wait_for(call(), 1.0)  # answered at once, while the two still run
         other_path = asyncio.create_task(call("/v1/models"))  # only generation routes are bounded

@@ -4,38 +4,20 @@ minute apart; it finishes all 8 streams it was running and exits 0. At its drain
 still running ends with UNAVAILABLE instead of hanging."""
 
 import threading
-import time
 
 import grpc
 import pytest
 
-from tests.engine.test_engine_server import EngineProcess, generate_request
-from tests.nats_server import NatsServer
-from tests.router.test_router import RouterProcess, metric_values
+from tests.processes import EngineProcess, generate_request, start_fleet
 
 MAX_TOKENS = 96
 
 
 @pytest.fixture
 def drain_fleet(default_model_dir, tmp_path, free_port_factory):
-    nats = NatsServer(free_port_factory())
-    engines = {}
-    for name in ("d0", "d1"):
-        port = free_port_factory()
-        engines[name] = EngineProcess(default_model_dir, port, tmp_path / f"{name}.log",
-                                      ("--replica-id", name, "--nats-url", nats.url, "--load-report-interval", "0.2",
-                                       "--shutdown-timeout", "120"))
-        engines[name].address = f"127.0.0.1:{port}"
-    for engine in engines.values():
-        engine.wait_serving()
-    router = RouterProcess(free_port_factory(), [e.address for e in engines.values()], nats.url,
-                           tmp_path / "router.log", free_port_factory(), check_interval_s=60)
-    router.wait_serving()
-    yield router, engines
-    router.close()
-    for engine in engines.values():
-        engine.close()
-    nats.stop()
+    with start_fleet(default_model_dir, tmp_path, free_port_factory, ("d0", "d1"),
+                     ("--load-report-interval", "0.2", "--shutdown-timeout", "120")) as running:
+        yield running.router, running.engines
 
 
 def stream_tokens(stub, request_id: str, first_token: threading.Event, results: dict) -> None:
@@ -61,23 +43,23 @@ def test_a_draining_replica_finishes_its_8_streams_and_gets_no_new_request(drain
     for event in started:
         assert event.wait(60), "a stream produced nothing"
     victim.process.terminate()  # SIGTERM: what the autoscaler's local provider sends on scale-down
-    time.sleep(1.0)  # its draining report reaches the router over NATS
+    router.wait_until(lambda: "draining" in router.log(), what="told of the drain over NATS")
     assert victim.process.poll() is None, "exited before its streams finished"
     served = [list(router.stub.Generate(generate_request(f"new{i}", [900 + i] * 20, 2), timeout=30))[-1].replica_id
               for i in range(6)]
     assert served == ["d1"] * 6
-    assert metric_values(router).get('strata:router_failovers_total{replica="d0"}', 0) == 0, \
+    assert router.metric_values().get('strata:router_failovers_total{replica="d0"}', 0) == 0, \
         "a request was sent to the draining replica"
     for thread in threads:
         thread.join(timeout=120)
     assert results == {f"s{i}": MAX_TOKENS for i in range(8)}
     assert victim.process.wait(timeout=30) == 0
-    assert "draining" in router.log_path.read_text()
+    assert "draining" in router.log()
 
 
 def test_the_drain_timeout_ends_what_is_left_with_unavailable(default_model_dir, tmp_path, free_port_factory):
-    engine = EngineProcess(default_model_dir, free_port_factory(), tmp_path / "engine.log", ("--shutdown-timeout", "1"))
-    try:
+    with EngineProcess(default_model_dir, free_port_factory(), tmp_path / "engine.log",
+                       ("--shutdown-timeout", "1")) as engine:
         engine.wait_serving()
         results: dict = {}
         first = threading.Event()
@@ -92,8 +74,6 @@ def test_the_drain_timeout_ends_what_is_left_with_unavailable(default_model_dir,
         assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert "drain timed out" in error.details()
         assert engine.process.wait(timeout=30) == 0
-    finally:
-        engine.close()
 
 
 def _consume(call, first: threading.Event):

@@ -13,8 +13,7 @@ from nats.errors import Error as NatsError
 from services.common.event_subjects import LOAD_REPORTS
 from services.common.nats_auth import connect_options
 from services.common.pb import events_pb2
-from tests.nats_server import NatsServer
-from tests.router.test_router import RouterProcess, metric_values
+from tests.processes import NatsServer, RouterProcess
 
 
 def rss_kib(pid: int) -> int:
@@ -38,49 +37,36 @@ async def publish(url: str, count: int, **options) -> None:
 
 @pytest.fixture
 def router_on_nats(tmp_path, free_port_factory):
-    server = NatsServer(free_port_factory())
-    router = RouterProcess(free_port_factory(), [], server.url, tmp_path / "router.log", free_port_factory(),
-                           check_interval_s=0.5, extra_args=("--max-joined-replicas", "8", "--forget-after", "2"))
-    time.sleep(0.5)
-    yield server, router
-    router.close()
-    server.stop()
-
-
-def wait_metrics(router, predicate, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            values = metric_values(router)
-            if predicate(values):
-                return values
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, router.log_path.read_text()[-3000:]
-        time.sleep(0.1)
+    bounds = ("--max-joined-replicas", "8", "--forget-after", "2")
+    with NatsServer(free_port_factory()) as server, \
+            RouterProcess(free_port_factory(), [], server.url, tmp_path / "router.log", free_port_factory(),
+                          check_interval_s=0.5, extra_args=bounds) as router:
+        router.wait_until(lambda: "following KV events and load reports on NATS" in router.log(),
+                          what="subscribed on NATS")
+        yield server, router
 
 
 def test_a_report_without_credentials_never_reaches_the_router(router_on_nats):
     server, router = router_on_nats
     with pytest.raises(NatsError, match="[Aa]uthorization"):
         asyncio.run(publish(server.url, 5))  # no token: the NATS server refuses the connection
-    values = wait_metrics(router, lambda v: "strata:router_replicas" in v)
-    time.sleep(1.0)
-    values = metric_values(router)
+    router.wait_metrics(lambda v: "strata:router_replicas" in v)
+    time.sleep(1.0)  # part of what is tested: two of its check rounds, in which a report that got through would show
+    values = router.metric_values()
     assert values["strata:router_replicas"] == 0 and values.get("strata:router_refused_load_reports_total", 0) == 0
 
 
 def test_a_thousand_forged_reports_leave_the_router_bounded(router_on_nats):
     server, router = router_on_nats
-    wait_metrics(router, lambda v: "strata:router_replicas" in v)
+    router.wait_metrics(lambda v: "strata:router_replicas" in v)
     before = rss_kib(router.process.pid)
     asyncio.run(publish(server.url, 1000, **connect_options()))
-    values = wait_metrics(router, lambda v: v.get("strata:router_refused_load_reports_total", 0) >= 992)
+    values = router.wait_metrics(lambda v: v.get("strata:router_refused_load_reports_total", 0) >= 992)
     assert values["strata:router_replicas"] <= 8
-    assert "refused" in router.log_path.read_text()
+    assert "refused" in router.log()
     # The rogues never answer their health checks: they are forgotten, with their metric series (named
     # by their addresses: they never told their ids).
-    values = wait_metrics(router, lambda v: v["strata:router_replicas"] == 0)
+    values = router.wait_metrics(lambda v: v["strata:router_replicas"] == 0)
     assert not [k for k in values if "rogue" in k or "127.0.0.2:" in k]
     growth_mib = (rss_kib(router.process.pid) - before) / 1024
     assert growth_mib < 20, f"the router grew by {growth_mib:.1f} MiB"

@@ -1,9 +1,9 @@
 import pytest
 
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+from tests.processes import TokenizerProcess
 
 from .checkpoints import write_llama3_style_checkpoint, write_sentencepiece_style_checkpoint
-from .server_process import tokenizer_server
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +50,9 @@ def default_server(default_model_dir, free_port_factory, tmp_path_factory):
     with its /metrics at ``server.metrics_url``."""
     log_path = tmp_path_factory.mktemp("logs") / "tokenizer-default.log"
     metrics_port = free_port_factory()
-    with tokenizer_server(default_model_dir, free_port_factory(), log_path,
+    with TokenizerProcess(default_model_dir, free_port_factory(), log_path,
                           extra_args=("--trust-request-chat-template", "--metrics-port", str(metrics_port))) as server:
+        server.wait_serving()
         server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield server
 
@@ -60,6 +61,7 @@ def default_server(default_model_dir, free_port_factory, tmp_path_factory):
 def templateless_server(templateless_dir, free_port_factory, tmp_path_factory):
     """The real service on a checkpoint without a chat template (request templates trusted)."""
     log_path = tmp_path_factory.mktemp("logs") / "tokenizer-no-template.log"
-    with tokenizer_server(templateless_dir, free_port_factory(), log_path,
+    with TokenizerProcess(templateless_dir, free_port_factory(), log_path,
                           extra_args=("--trust-request-chat-template",)) as server:
+        server.wait_serving()
         yield server

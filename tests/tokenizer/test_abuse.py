@@ -14,8 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb import tokenizer_pb2 as pb
 from services.common.pb import tokenizer_pb2_grpc
-
-from .server_process import tokenizer_server
+from tests.processes import TokenizerProcess
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 TEN_MILLION = "{{ 'x' * 10000000 }}"
@@ -31,7 +30,8 @@ def rss_mib(pid: int) -> float:
 @pytest.fixture(scope="module")
 def untrusting_server(default_model_dir, free_port_factory, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("logs") / "tokenizer-untrusting.log"
-    with tokenizer_server(default_model_dir, free_port_factory(), log_path) as server:
+    with TokenizerProcess(default_model_dir, free_port_factory(), log_path) as server:
+        server.wait_serving()
         yield server
 
 
@@ -66,7 +66,7 @@ class HealthWatch:
                 except grpc.RpcError:
                     self.failures += 1
                 self.slowest = max(self.slowest, time.monotonic() - started)
-                time.sleep(0.05)
+                time.sleep(0.05)  # the watch's pace
 
     def stop(self) -> None:
         self._stop.set()
@@ -78,7 +78,7 @@ ATTACKS = [line for line in (Path(__file__).parent / "hostile_templates.txt").re
 
 @pytest.mark.parametrize("template", [NESTED_LOOPS, TEN_MILLION, DOUBLING, *ATTACKS])
 def test_a_hostile_template_is_stopped_within_a_second(default_server, template):
-    address = default_server.channel._channel.target().decode()
+    address = default_server.address
     before = rss_mib(default_server.process.pid)
     watch = HealthWatch(address)
     started = time.monotonic()
@@ -97,14 +97,14 @@ def test_a_4mb_prompt_does_not_hold_up_a_small_request(default_server):
     small_times = []
 
     def small_requests() -> None:  # another client, on its own connection
-        with grpc.insecure_channel(default_server.channel._channel.target().decode()) as channel:
+        with grpc.insecure_channel(default_server.address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             stub.Encode(pb.EncodeRequest(text="warm up"), timeout=10)
             for _ in range(20):
                 started = time.monotonic()
                 stub.Encode(pb.EncodeRequest(text="hello there"), timeout=10)
                 small_times.append(time.monotonic() - started)
-                time.sleep(0.02)
+                time.sleep(0.02)  # spread over the big request's time
 
     thread = threading.Thread(target=small_requests)
     thread.start()

@@ -11,9 +11,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.pb import tokenizer_pb2 as pb
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+from tests.processes import TokenizerProcess
 
 from .samples import HAND_PICKED, conversations
-from .server_process import tokenizer_server
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,8 @@ def test_chat_without_a_template_is_invalid_argument(templateless_server):
 
 def test_default_model_without_flag_and_graceful_sigterm(default_model_dir, free_port, tmp_path):
     env = {**os.environ, "STRATA_CACHE_DIR": str(default_model_dir.parent.parent)}
-    with tokenizer_server(None, free_port, tmp_path / "tokenizer.log", env=env) as server:
+    with TokenizerProcess(None, free_port, tmp_path / "tokenizer.log", env=env) as server:
+        server.wait_serving()
         assert server.stub.Info(pb.TokenizerInfoRequest()).model == str(default_model_dir)
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0, server.log()
