@@ -1,7 +1,8 @@
-# One Dockerfile for every Strata service. The engine's image installs the `engine` extra (torch from
-# PyPI: the CUDA build on x86_64); the tokenizer, router and gateway images leave torch out.
+# One Dockerfile for every Strata service. The engine's image installs the `gpu` extra (torch from
+# PyPI: the CUDA build on x86_64, and the Triton kernels); the tokenizer, router and gateway images
+# leave torch out.
 #   docker build -t strata:cpu .
-#   docker build -t strata:gpu --build-arg EXTRAS="[engine]" .
+#   docker build -t strata:gpu --build-arg EXTRAS="[gpu]" .
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
