@@ -36,15 +36,18 @@ class Drain:
         return self._deadline_passed
 
     async def race(self, awaitable: Awaitable[T]) -> T:
-        """``awaitable``'s result, unless the drain's deadline passes first (then OpenAIError 503)."""
+        """``awaitable``'s result, unless the drain's deadline passes first (then OpenAIError 503).
+        Cancelled (the client left mid-stream), it cancels ``awaitable`` too: a task left pending
+        would be garbage-collected so ("Task was destroyed but it is pending!")."""
         task = asyncio.ensure_future(awaitable)
         deadline = asyncio.ensure_future(self._deadline().wait())
         try:
             await asyncio.wait({task, deadline}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             deadline.cancel()
+            if not task.done():
+                task.cancel()
         if task.done():
             return task.result()
-        task.cancel()
         raise OpenAIError("The server is shutting down and this stream ran past its drain timeout "
                           "(--shutdown-timeout); the output is incomplete.", 503, code="shutting_down")
