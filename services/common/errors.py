@@ -2,7 +2,14 @@
 
 
 class InvalidRequestError(ValueError):
-    """A request that can never succeed as given (gRPC INVALID_ARGUMENT, HTTP 400)."""
+    """A request that can never succeed as given (gRPC INVALID_ARGUMENT, HTTP 400). ``param`` names the
+    OpenAI request parameter at fault and ``code`` is OpenAI's error code, when there are such; they
+    travel in the gRPC status details (`services.common.error_details`) to the gateway."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class ResourceExhaustedError(RuntimeError):

@@ -27,7 +27,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from services.common import request_id, telemetry
+from services.common import error_details, request_id, telemetry
 from services.common.tls import TlsFiles
 from services.common.errors import InvalidRequestError, ResourceExhaustedError, ServiceUnavailableError
 
@@ -211,7 +211,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     telemetry.mark_failed(trace.get_current_span(), exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("%s failed", method, exc_info=exc)
-    await context.abort(code, message)
+    details = error_details.trailing_metadata(exc) if isinstance(exc, InvalidRequestError) else ()
+    await context.abort(code, message, trailing_metadata=details)
 
 
 class GrpcServer:

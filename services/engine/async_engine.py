@@ -205,7 +205,7 @@ class AsyncEngine:
             return
         try:
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                  command.cache_salt, command.fairness_key, command.arrival_time)
+                                  command.cache_salt, command.fairness_key, command.arrival_time, validated=True)
         except Exception as exc:
             self._deliver_error(command.request_id, exc)
 

@@ -50,29 +50,31 @@ class EngineCore:
         self.model_runner.warmup()
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raises InvalidRequestError for a request that can never succeed; thread-safe."""
+        """Raises InvalidRequestError (naming the OpenAI parameter at fault) for a request that can never
+        succeed; thread-safe. Together with SamplingParams' own checks, the only place these rules live."""
         num_prompt = len(prompt_token_ids)
         self.scheduler.check_prompt_fits(num_prompt)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]} is out of range: the vocabulary has {self.vocab_size} ids")
-        if num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is out of range: the vocabulary has "
+                                      f"{self.vocab_size} ids", param="prompt")
+        if num_prompt + params.max_tokens > self.max_model_len:  # vLLM's words
             raise InvalidRequestError(
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).")
+                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).", param="max_tokens")
         max_logprobs = min(self.config.max_logprobs, self.vocab_size)
         if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the maximum allowed {max_logprobs}")
+            raise InvalidRequestError(f"logprobs must be between 0 and {max_logprobs}, got {params.logprobs}.",
+                                      param="logprobs")
         bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if bad_bias:
-            raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is out of range "
-                                      f"(vocabulary of {self.vocab_size})")
+            raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is out of vocabulary "
+                                      f"(size {self.vocab_size}).", param="logit_bias")
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
-            raise InvalidRequestError(f"stop_token_ids: token id {bad_stop[0]} is out of range "
-                                      f"(vocabulary of {self.vocab_size})")
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop}.",
+                                      param="stop_token_ids")
         if params.structured_output is not None:
             self.structured_output.check(params.structured_output)  # compiled (and cached) here
 
@@ -84,10 +86,13 @@ class EngineCore:
         cache_salt: str = "",
         fairness_key: str = "",
         arrival_time: float | None = None,
+        validated: bool = False,
     ) -> Request:
         """Queues a request; ``arrival_time`` (`time.monotonic()`) is when the engine received it, by
-        default now."""
-        self.validate(prompt_token_ids, params)
+        default now. ``validated``: the caller ran `validate` already (AsyncEngine, on its own thread),
+        so the engine thread does not check it again."""
+        if not validated:
+            self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                           cache_salt=cache_salt, arrival_time=arrival_time, fairness_key=fairness_key)
         if params.structured_output is not None:

@@ -13,24 +13,17 @@ _FINISH_REASONS = {
 }
 
 
+_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                             "frequency_penalty", "repetition_penalty", "logprobs")
+
+
 def sampling_params_from_proto(request: engine_pb2.GenerateRequest) -> SamplingParams:
-    """Raises InvalidRequestError (from SamplingParams) for out-of-range values."""
+    """Raises InvalidRequestError (from SamplingParams, which also holds every default) for out-of-range
+    values; an unset field keeps SamplingParams' default."""
     sampling, stop = request.sampling, request.stop
-
-    def opt(name: str, default):
-        return getattr(sampling, name) if sampling.HasField(name) else default
-
     return SamplingParams(
-        temperature=opt("temperature", 1.0),
-        top_p=opt("top_p", 1.0),
-        top_k=opt("top_k", 0),
-        min_p=opt("min_p", 0.0),
-        seed=opt("seed", None),
-        presence_penalty=opt("presence_penalty", 0.0),
-        frequency_penalty=opt("frequency_penalty", 0.0),
-        repetition_penalty=opt("repetition_penalty", 1.0),
+        **{name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)},
         logit_bias=dict(sampling.logit_bias),
-        logprobs=opt("logprobs", None),
         max_tokens=stop.max_tokens,
         min_tokens=stop.min_tokens,
         stop_token_ids=tuple(stop.stop_token_ids),

@@ -32,38 +32,39 @@ class SamplingParams:
     structured_output: Constraint | None = None  # a JSON schema, regex, choice or grammar the output keeps to
 
     def __post_init__(self) -> None:
-        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
-                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                  "repetition_penalty": self.repetition_penalty}
-        for name, value in floats.items():
+        """Every rule on these values lives here: the gateway sends what the client asked and maps a
+        refusal's ``param`` (OpenAI's name for the field) back to the client's request."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
             if not math.isfinite(value):
-                raise InvalidRequestError(f"{name} must be a finite number, got {value}")
-        bad_bias = [v for v in self.logit_bias.values() if not math.isfinite(v)]
-        if bad_bias:
-            raise InvalidRequestError(f"logit_bias values must be finite numbers, got {bad_bias[0]}")
+                raise InvalidRequestError(f"{name} must be a finite number, got {value}.", param=name)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if len(set(self.stop_token_ids)) != len(self.stop_token_ids):  # a long repeated list costs every step
             object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
-        if any(abs(v) > 100 for v in self.logit_bias.values()):  # OpenAI's range: clamp, as vLLM does
-            object.__setattr__(self, "logit_bias", {t: max(-100.0, min(100.0, v)) for t, v in self.logit_bias.items()})
+        bad_bias = [v for v in self.logit_bias.values() if not (math.isfinite(v) and -100 <= v <= 100)]
         checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}"),
-            (self.seed is None or 0 <= self.seed < 1 << 64, f"seed must be in [0, 2**64), got {self.seed}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (self.temperature >= 0, "temperature", f"temperature must be non-negative, got {self.temperature}."),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}."),
+            (self.top_k >= 0, "top_k", f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}."),
+            (self.seed is None or 0 <= self.seed < 1 << 64, "seed", f"seed must be in [0, 2**64), got {self.seed}."),
+            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}."),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."),
+            (self.repetition_penalty > 0, "repetition_penalty",
+             f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."),
+            (not bad_bias, "logit_bias", f"logit_bias values must be in [-100, 100], got {bad_bias[:1]}."),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}."),
+            (self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}."),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}."),
+            (self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise InvalidRequestError(message)
+                raise InvalidRequestError(message, param=param)
 
     @property
     def is_greedy(self) -> bool:

@@ -101,15 +101,17 @@ class Scheduler:
         """Raises InvalidRequestError for a prompt this scheduler can never run. Reads only settings
         fixed at construction, so any thread may call it."""
         if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty; send at least one token")
-        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError("The prompt is empty; it must have at least one token.", param="prompt")
+        if num_prompt >= self.max_model_len:  # vLLM's words
             raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
-                f"has {num_prompt} input tokens; shorten the prompt to at most {self.max_model_len - 1} tokens.")
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{num_prompt} input tokens. Please reduce the length of the input messages.",
+                param="input_tokens", code="context_length_exceeded")
         if num_prompt >= self._kv_capacity_tokens:
             raise InvalidRequestError(
-                f"the prompt has {num_prompt} tokens but this replica's KV cache holds only "
-                f"{self._kv_capacity_tokens}; shorten the prompt to at most {self._kv_capacity_tokens - 1} tokens")
+                f"The prompt has {num_prompt} tokens but this replica's KV cache holds only "
+                f"{self._kv_capacity_tokens}; shorten the prompt to at most {self._kv_capacity_tokens - 1} tokens.",
+                param="input_tokens", code="context_length_exceeded")
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Abort a waiting, running or preempted request now and free its blocks. Returns its final

@@ -20,6 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common import error_details
+
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait before retrying
 
 # OpenAI's error types by status; the client only reads the status, people read the type.
@@ -95,22 +97,6 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(message, 400, param=param)
 
 
-def context_length_exceeded(max_model_len: int, num_input_tokens: int) -> OpenAIError:
-    return OpenAIError(
-        f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-        f"{num_input_tokens} input tokens. Please reduce the length of the input messages.",
-        400, param="input_tokens", code="context_length_exceeded")
-
-
-def max_tokens_too_large(max_tokens: int, max_model_len: int, num_input_tokens: int,
-                         param: str = "max_tokens") -> OpenAIError:
-    return OpenAIError(
-        f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
-        f"{max_model_len} tokens and your request has {num_input_tokens} input tokens "
-        f"({max_tokens} > {max_model_len} - {num_input_tokens}).",
-        400, param=param)
-
-
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(f"The model `{model}` does not exist.", 404, param="model",
                        code="model_not_found")
@@ -139,13 +125,15 @@ def body_too_large(max_body_bytes: int) -> OpenAIError:
 
 
 def from_grpc(error: grpc.RpcError, upstream: str) -> OpenAIError:
-    """Maps an upstream gRPC failure; INVALID_ARGUMENT keeps the upstream's message (it is the
-    client's mistake, said by the service that knows), the rest name the upstream."""
+    """Maps an upstream gRPC failure; INVALID_ARGUMENT keeps the upstream's message, parameter and
+    code (it is the client's mistake, said by the service that knows the rule), the rest name the
+    upstream."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     status = _GRPC_TO_HTTP.get(code, 500)
     if status == 400:
-        return OpenAIError(details, 400)
+        param, openai_code = error_details.param_and_code(error)
+        return OpenAIError(details, 400, param=param, code=openai_code)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         # gRPC's message-size limit ("Received message larger than max (N vs. M)"): never retryable
         return OpenAIError(f"The request is too large for the {upstream}: {details}.", 413,

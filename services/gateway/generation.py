@@ -147,6 +147,8 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
     num_tokens = 0
     try:
         while (item := await outputs.get()) is not _END_OF_OUTPUTS:
+            if isinstance(item, errors.OpenAIError) and item.status == 400:  # a refusal: name the client's field
+                item.param = params.request_param(item.param)
             if isinstance(item, Exception):
                 raise item
             output, has_reply = item

@@ -17,7 +17,7 @@ from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, token
 from services.common import client_span
 from services.common.tls import TlsFiles, aio_channel
 from services.gateway import errors
-from services.gateway.validation import MAX_TOP_LOGPROBS, ModelFacts
+from services.gateway.validation import ModelFacts
 
 MAX_MESSAGE_BYTES = 64 << 20  # the tokenizer's and the engine's servers accept as much
 _CHANNEL_OPTIONS = [
@@ -69,8 +69,6 @@ class Upstream:
             self._facts = ModelFacts(
                 name=self._served_model_name or engine_info.model,
                 max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
-                vocab_size=engine_info.vocab_size or tokenizer_info.vocab_size,
-                max_logprobs=engine_info.max_logprobs or MAX_TOP_LOGPROBS,
                 eos_token_ids=frozenset(tokenizer_info.eos_token_ids))
         return self._facts
 

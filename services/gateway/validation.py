@@ -1,6 +1,8 @@
-"""Request validation: OpenAI bodies -> one validated ``GenerationParams``, and the per-prompt
-checks against the context length. Every rule raises an ``OpenAIError`` (400/404) naming the
-parameter, so a request that can never succeed is refused before it reaches the engine.
+"""Request validation: OpenAI bodies -> one validated ``GenerationParams``. The rules of the API
+itself (n, stop strings, messages, stream options, limits) raise an ``OpenAIError`` (400/404) naming
+the parameter here; the rules on sampling values, token ids and lengths are the engine's (its
+SamplingParams and EngineCore.validate), whose refusal comes back naming its parameter, which
+``GenerationParams.request_param`` turns into the client's field name.
 
 Every value must also fit the engine's protobuf field (a float32, a uint32), or the request would
 fail as a 500 when it is encoded. Rules follow vLLM where OpenAI is silent: ``top_k`` -1 or 0 is
@@ -19,6 +21,8 @@ from services.gateway.structured_output import Constraint, request_constraint
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's cap on chat top_logprobs
 _UINT64 = 1 << 64
+_UINT32 = 1 << 32
+_INT32 = 1 << 31
 _FLOAT32_MAX = 3.4028234663852886e38  # the engine's sampling floats are protobuf floats
 
 
@@ -27,8 +31,6 @@ class ModelFacts:
     """What validation needs to know about the served model (from the engine and tokenizer)."""
     name: str
     max_model_len: int
-    vocab_size: int
-    max_logprobs: int = MAX_TOP_LOGPROBS
     eos_token_ids: frozenset[int] = frozenset()
 
 
@@ -68,6 +70,14 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     constraint: Constraint | None = None  # structured output, the same for every choice
+    logprobs_param: str = "logprobs"  # chat's is top_logprobs
+
+    def request_param(self, engine_param: str | None) -> str | None:
+        """The client's name for the field an engine refusal names (the engine speaks of max_tokens,
+        logprobs and structured_output whatever the request called them)."""
+        renamed = {"max_tokens": self.max_tokens_param, "logprobs": self.logprobs_param,
+                   "structured_output": self.constraint.param if self.constraint else None}
+        return renamed.get(engine_param) or engine_param
 
     @property
     def is_greedy(self) -> bool:
@@ -97,10 +107,6 @@ def _check_finite(value: float | None, param: str) -> None:
            f"{param} must be a finite number, got {value}.", param)
 
 
-def _token_id_ok(token_id: int, facts: ModelFacts) -> bool:
-    return 0 <= token_id < facts.vocab_size
-
-
 def check_model(requested: str | None, facts: ModelFacts) -> None:
     if requested is not None and requested != facts.name:
         raise errors.model_not_found(requested)
@@ -124,33 +130,18 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
         params.include_usage = bool(req.stream_options.include_usage)
         params.continuous_usage_stats = bool(req.stream_options.continuous_usage_stats)
 
+    # The sampling rules themselves (ranges, max_tokens against the context, token ids against the
+    # vocabulary) are the engine's SamplingParams' and EngineCore.validate's; a refusal comes back as
+    # INVALID_ARGUMENT naming its parameter (`request_param` renames it to the client's field).
+    # Here only what the protobuf fields can carry is checked, or encoding the request would fail.
     sampling = params.sampling
-    if req.temperature is not None:
-        _check(req.temperature >= 0, f"temperature must be non-negative, got {req.temperature}.",
-               "temperature")
-        sampling["temperature"] = req.temperature
-    if req.top_p is not None:
-        _check(0 < req.top_p <= 1, f"top_p must be in (0, 1], got {req.top_p}.", "top_p")
-        sampling["top_p"] = req.top_p
-    if req.top_k is not None:
-        _check(req.top_k >= -1, f"top_k must be -1 or 0 (disable), or at least 1, got {req.top_k}.",
-               "top_k")
-        sampling["top_k"] = min(max(req.top_k, 0), facts.vocab_size)  # past the vocabulary: all of it
-    if req.min_p is not None:
-        _check(0 <= req.min_p <= 1, f"min_p must be in [0, 1], got {req.min_p}.", "min_p")
-        sampling["min_p"] = req.min_p
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value is not None:
-            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}.", name)
-            sampling[name] = value
-    if req.repetition_penalty is not None:
-        _check(req.repetition_penalty > 0,
-               f"repetition_penalty must be greater than zero, got {req.repetition_penalty}.",
-               "repetition_penalty")
-        sampling["repetition_penalty"] = req.repetition_penalty
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            sampling[name] = getattr(req, name)
+    if req.top_k is not None:  # past 32 bits: still past the vocabulary (all of it), or still below -1
+        sampling["top_k"] = min(max(req.top_k, -_INT32), _INT32 - 1)
     if req.logit_bias:
-        sampling["logit_bias"] = _logit_bias(req.logit_bias, facts)
+        sampling["logit_bias"] = _logit_bias(req.logit_bias)
     _check(not (params.is_greedy and req.n > 1),
            f"n must be 1 when using greedy sampling, got {req.n}.", "n")
     if req.seed is not None:
@@ -165,28 +156,24 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
     params.skip_special_tokens = req.skip_special_tokens
 
     ids = list(req.stop_token_ids or [])
-    _check(all(_token_id_ok(i, facts) for i in ids),
-           f"stop_token_ids must be in [0, {facts.vocab_size}), got {ids}.", "stop_token_ids")
+    _check(all(0 <= i < _UINT32 for i in ids), f"stop_token_ids must be token ids, got {ids}.", "stop_token_ids")
     params.stop_token_ids = ids
     params.ignore_eos = req.ignore_eos
-    _check(req.min_tokens >= 0, f"min_tokens must be non-negative, got {req.min_tokens}.", "min_tokens")
+    _check(0 <= req.min_tokens < _UINT32, f"min_tokens must be non-negative, got {req.min_tokens}.", "min_tokens")
     params.min_tokens = req.min_tokens
     params.cache_salt = req.cache_salt or ""
     return params
 
 
-def _logit_bias(bias: dict[str, float], facts: ModelFacts) -> dict[int, float]:
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
         try:
             token_id = int(key)
         except ValueError:
             raise errors.bad_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias")
-        _check(_token_id_ok(token_id, facts),
-               f"logit_bias token id {token_id} is out of vocabulary (size {facts.vocab_size}).",
-               "logit_bias")
-        _check(math.isfinite(value) and -100 <= value <= 100,
-               f"logit_bias values must be in [-100, 100], got {value}.", "logit_bias")
+        _check(0 <= token_id < _UINT32, f"logit_bias keys must be token ids, got {key!r}.", "logit_bias")
+        _check_finite(value, "logit_bias")
         out[token_id] = value
     return out
 
@@ -194,10 +181,7 @@ def _logit_bias(bias: dict[str, float], facts: ModelFacts) -> dict[int, float]:
 def _max_tokens(params: GenerationParams, value: int | None, param: str) -> None:
     if value is None:
         return
-    _check(value >= 1, f"{param} must be at least 1, got {value}.", param)
-    _check(params.min_tokens <= value,
-           f"min_tokens must be less than or equal to {param}={value}, got {params.min_tokens}.",
-           "min_tokens")
+    _check(0 <= value < _UINT32, f"{param} must be at least 1, got {value}.", param)
     params.max_tokens, params.max_tokens_param = value, param
 
 
@@ -217,11 +201,11 @@ def validate_chat(req: ChatCompletionRequest, facts: ModelFacts, limits: Limits)
     if req.top_logprobs is not None:
         _check(bool(req.logprobs), "when using `top_logprobs`, `logprobs` must be set to true.",
                "top_logprobs")
-        cap = min(MAX_TOP_LOGPROBS, facts.max_logprobs)
-        _check(0 <= req.top_logprobs <= cap,
-               f"top_logprobs must be between 0 and {cap}, got {req.top_logprobs}.", "top_logprobs")
+        _check(0 <= req.top_logprobs <= MAX_TOP_LOGPROBS,  # OpenAI's cap; the engine's --max-logprobs is its own
+               f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}.", "top_logprobs")
     if req.logprobs:
         params.num_logprobs = req.top_logprobs or 0
+    params.logprobs_param = "top_logprobs"
     return params
 
 
@@ -232,8 +216,7 @@ def validate_completion(req: CompletionRequest, facts: ModelFacts, limits: Limit
            f"best_of is not supported (use n); got best_of={req.best_of}, n={req.n}.", "best_of")
     _max_tokens(params, req.max_tokens, "max_tokens")
     if req.logprobs is not None:
-        _check(0 <= req.logprobs <= facts.max_logprobs,
-               f"logprobs must be between 0 and {facts.max_logprobs}, got {req.logprobs}.", "logprobs")
+        _check(0 <= req.logprobs < _UINT32, f"logprobs must be non-negative, got {req.logprobs}.", "logprobs")
         _check(not req.echo, "echo together with logprobs is not supported (no prompt logprobs).",
                "echo")
         params.num_logprobs = req.logprobs
@@ -242,12 +225,9 @@ def validate_completion(req: CompletionRequest, facts: ModelFacts, limits: Limit
     _check(0 < len(prompts) <= limits.max_prompts,
            f"prompt must hold between 1 and {limits.max_prompts} prompts, got {len(prompts)}.", "prompt")
     _check_sequences(params.n, len(prompts), limits)
-    for prompt in prompts:
-        if isinstance(prompt, list):
-            if len(prompt) >= facts.max_model_len:  # before looking at each of (maybe) millions of ids
-                raise errors.context_length_exceeded(facts.max_model_len, len(prompt))
-            _check(not prompt or (min(prompt) >= 0 and max(prompt) < facts.vocab_size),
-                   f"Token ids in prompt must be in [0, {facts.vocab_size}).", "prompt")
+    for prompt in prompts:  # ids past the vocabulary are the engine's to refuse; these cannot be encoded
+        _check(not isinstance(prompt, list) or not prompt or (min(prompt) >= 0 and max(prompt) < _UINT32),
+               "Token ids in prompt must be non-negative 32-bit integers.", "prompt")
     return params
 
 
@@ -269,17 +249,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def resolve_max_tokens(params: GenerationParams, num_prompt_tokens: int, facts: ModelFacts) -> int:
-    """The max_tokens of one prompt: the requested one, or the rest of the context."""
-    _check(num_prompt_tokens > 0, "The prompt is empty; it must have at least one token.", "prompt")
-    if num_prompt_tokens >= facts.max_model_len:
-        raise errors.context_length_exceeded(facts.max_model_len, num_prompt_tokens)
-    room = facts.max_model_len - num_prompt_tokens
-    if params.max_tokens is None:
-        _check(params.min_tokens <= room,
-               f"min_tokens={params.min_tokens} does not fit: the prompt leaves {room} tokens of "
-               f"the {facts.max_model_len}-token context.", "min_tokens")
-        return room
-    if params.max_tokens > room:
-        raise errors.max_tokens_too_large(params.max_tokens, facts.max_model_len, num_prompt_tokens,
-                                          params.max_tokens_param)
-    return params.max_tokens
+    """The max_tokens of one prompt: the requested one, or the rest of the context (at least 1: a
+    prompt that fills the context is the engine's to refuse, with vLLM's message)."""
+    if params.max_tokens is not None:
+        return params.max_tokens
+    return max(facts.max_model_len - num_prompt_tokens, 1)

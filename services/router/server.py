@@ -18,7 +18,7 @@ import logging
 import grpc
 from opentelemetry import trace
 
-from services.common import client_span
+from services.common import client_span, error_details
 from services.common.block_hash import hash_prompt_blocks
 from services.common.errors import ResourceExhaustedError, ServiceUnavailableError
 from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
@@ -150,8 +150,8 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 if relayed:  # tokens already went out: the client sees the cut (an SSE error event)
                     await context.abort(error.code(), f"engine replica {replica.name} failed mid-stream "
                                                       f"({error.details()}); the output is incomplete")
-                if error.code() not in _RETRY_ON:
-                    await context.abort(error.code(), error.details())
+                if error.code() not in _RETRY_ON:  # the engine's own refusal, its status details kept
+                    await context.abort(error.code(), error.details(), trailing_metadata=error_details.passed_on(error))
                 self.metrics.failovers.labels(replica.name).inc()
                 log.warning("request %s: replica %s refused or failed before its first output (%s); trying another",
                             request.request_id, replica.name, error.code().name)

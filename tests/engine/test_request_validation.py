@@ -4,6 +4,7 @@ reaches the scheduler; and every value those checks let through runs a real step
 request without failing either. (The common refusals are in test_fault_isolation.py.)"""
 
 import math
+import re
 
 import pytest
 
@@ -31,19 +32,30 @@ def proto_request(sampling: dict | None = None, **stop) -> engine_pb2.GenerateRe
         stop=engine_pb2.StopCriteria(**{"max_tokens": NUM_TOKENS, "ignore_eos": True, **stop}))
 
 
-@pytest.mark.parametrize("request_, message", [
-    (proto_request(dict(logprobs=VOCAB + 1)), "maximum allowed 4096"),  # --max-logprobs above the vocabulary
-    (proto_request(dict(logit_bias={VOCAB: 1.0})), "logit_bias token id 4096"),
-    (proto_request(stop_token_ids=[3, VOCAB]), "stop_token_ids: token id 4096"),
-    (proto_request(dict(repetition_penalty=-math.inf)), "repetition_penalty"),
-    (proto_request(dict(min_p=math.nan)), "min_p"),
-    (proto_request(dict(presence_penalty=-2.5)), "presence_penalty"),
-    (proto_request(dict(top_k=-(1 << 31))), "top_k"),
-    (proto_request(max_tokens=(1 << 32) - 1), "'max_tokens' is too large"),
+@pytest.mark.parametrize("request_, param, message", [
+    (proto_request(dict(logprobs=VOCAB + 1)), "logprobs", "between 0 and 4096"),  # --max-logprobs above the vocabulary
+    (proto_request(dict(logit_bias={VOCAB: 1.0})), "logit_bias", "logit_bias token id 4096"),
+    (proto_request(dict(logit_bias={3: 100.5})), "logit_bias", "in [-100, 100]"),
+    (proto_request(stop_token_ids=[3, VOCAB]), "stop_token_ids", "stop_token_ids must be in [0, 4096)"),
+    (proto_request(dict(repetition_penalty=-math.inf)), "repetition_penalty", "repetition_penalty"),
+    (proto_request(dict(min_p=math.nan)), "min_p", "min_p"),
+    (proto_request(dict(presence_penalty=-2.5)), "presence_penalty", "presence_penalty"),
+    (proto_request(dict(top_k=-(1 << 31))), "top_k", "top_k"),
+    (proto_request(dict(temperature=-1)), "temperature", "non-negative"),
+    (proto_request(max_tokens=(1 << 32) - 1), "max_tokens", "'max_tokens' is too large"),
+    (proto_request(max_tokens=0), "max_tokens", "at least 1"),
+    (proto_request(max_tokens=3, min_tokens=4), "min_tokens", "less than or equal to max_tokens=3"),
 ], ids=lambda value: value if isinstance(value, str) else None)
-def test_more_bad_fields_are_invalid_argument(core, request_, message):
-    with pytest.raises(InvalidRequestError, match=message):
+def test_more_bad_fields_are_invalid_argument_naming_the_param(core, request_, param, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as error:
         core.validate(list(request_.prompt_token_ids), sampling_params_from_proto(request_))
+    assert error.value.param == param
+
+
+def test_a_prompt_over_the_context_is_refused_with_vllms_code(core):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 2048 tokens") as error:
+        core.validate([5] * 2048, SamplingParams())
+    assert (error.value.param, error.value.code) == ("input_tokens", "context_length_exceeded")
 
 
 def test_a_seed_outside_64_bits_is_refused():
@@ -63,7 +75,7 @@ ACCEPTED = {
     "huge repetition penalty": proto_request(dict(repetition_penalty=FLOAT32_MAX)),
     "tiny repetition penalty": proto_request(dict(repetition_penalty=1e-38)),
     "penalties at the bounds": proto_request(dict(presence_penalty=-2.0, frequency_penalty=2.0)),
-    "logit bias clamped": proto_request(dict(logit_bias={0: -FLOAT32_MAX, VOCAB - 1: FLOAT32_MAX})),
+    "logit bias at the bounds": proto_request(dict(logit_bias={0: -100.0, VOCAB - 1: 100.0})),
     "largest seed": proto_request(dict(seed=(1 << 64) - 1, temperature=1.0)),
     "logprobs of the whole vocabulary": proto_request(dict(logprobs=VOCAB)),
     "every id a stop id until min_tokens": proto_request(min_tokens=NUM_TOKENS, stop_token_ids=range(VOCAB)),

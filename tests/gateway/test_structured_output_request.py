@@ -198,7 +198,7 @@ class ScriptedUpstream:
         self.pieces: list[str] = []
 
     async def facts(self) -> ModelFacts:
-        return ModelFacts(name="tiny", max_model_len=1000, vocab_size=50)
+        return ModelFacts(name="tiny", max_model_len=1000)
 
     async def encode_chat(self, *args) -> list[int]:
         return [1, 2, 3]

@@ -1,5 +1,6 @@
-"""Request validation: each rule gives a 400 (or 404) naming its parameter, and valid requests
-map onto the engine's protobuf fields."""
+"""Request validation: each rule of the API gives a 400 (or 404) naming its parameter, valid requests
+map onto the engine's protobuf fields, and the rules on sampling values stay the engine's alone: the
+gateway passes them on and names an engine refusal as the client named the field."""
 
 import pytest
 
@@ -8,8 +9,7 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.validation import (Limits, ModelFacts, completion_prompts, resolve_max_tokens,
                                          validate_chat, validate_completion)
 
-FACTS = ModelFacts(name="tiny", max_model_len=100, vocab_size=50, max_logprobs=20,
-                   eos_token_ids=frozenset({2}))
+FACTS = ModelFacts(name="tiny", max_model_len=100, eos_token_ids=frozenset({2}))
 LIMITS = Limits(max_n=4, max_stop_strings=3, max_prompts=5)
 
 
@@ -30,27 +30,17 @@ def refused(call, **fields) -> OpenAIError:
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 2}, "min_p"),
-    ({"presence_penalty": 3}, "presence_penalty"),
-    ({"frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"temperature": float("nan")}, "temperature"),  # a protobuf float cannot carry what JSON allows past these
+    ({"top_p": 1e39}, "top_p"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"n": 0}, "n"),
     ({"n": 5}, "n"),
     ({"n": 2, "temperature": 0}, "n"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"stop": ["a", "b", "c", "d"]}, "stop"),
     ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [50]}, "stop_token_ids"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"logit_bias": {"60": 1}}, "logit_bias"),
-    ({"logit_bias": {"3": 101}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -73,13 +63,12 @@ def test_model_may_be_omitted():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
     ({"logprobs": 1, "echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["a"] * 6}, "prompt"),
-    ({"prompt": [1, 2, 99]}, "prompt"),
     ({"prompt": [[1], [-1]]}, "prompt"),
 ])
 def test_completion_rule_gives_400_naming_the_param(fields, param):
@@ -94,7 +83,7 @@ def test_sampling_fields_reach_the_engine_proto():
                   ignore_eos=True, max_tokens=10)
     proto = params.sampling_proto(choice_index=2)
     assert proto.temperature == pytest.approx(0.5) and proto.top_p == pytest.approx(0.9)
-    assert proto.top_k == 0 and proto.min_p == pytest.approx(0.1)
+    assert proto.top_k == -1 and proto.min_p == pytest.approx(0.1)  # -1: off, as the engine reads it
     assert proto.presence_penalty == 1 and proto.frequency_penalty == -1
     assert proto.repetition_penalty == pytest.approx(1.2)
     assert dict(proto.logit_bias) == {7: -100}
@@ -140,19 +129,31 @@ def test_max_tokens_defaults_to_the_rest_of_the_context():
     assert resolve_max_tokens(chat(), 30, FACTS) == 70
 
 
-def test_prompt_over_the_context_length_uses_vllms_message():
-    error = refused(resolve_max_tokens, params=chat(), num_prompt_tokens=100, facts=FACTS)
-    assert error.param == "input_tokens"
-    assert error.message.startswith("This model's maximum context length is 100 tokens. "
-                                    "However, your request has 100 input tokens.")
+def test_a_prompt_that_fills_the_context_is_sent_for_the_engine_to_refuse():
+    assert resolve_max_tokens(chat(), 100, FACTS) == 1 and resolve_max_tokens(chat(max_tokens=80), 30, FACTS) == 80
 
 
-def test_prompt_plus_max_tokens_over_the_context_length():
-    error = refused(resolve_max_tokens, params=chat(max_tokens=80), num_prompt_tokens=30, facts=FACTS)
-    assert error.param == "max_tokens"
-    assert error.message.startswith("'max_tokens' is too large: 80.")
-    assert "(80 > 100 - 30)" in error.message
+ENGINE_RULES = [{"temperature": -0.1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 2},
+                {"presence_penalty": 3}, {"frequency_penalty": -2.5}, {"repetition_penalty": 0},
+                {"max_tokens": 0}, {"max_completion_tokens": 0}, {"min_tokens": 5, "max_tokens": 2},
+                {"stop_token_ids": [50]}, {"logit_bias": {"60": 1}}, {"logit_bias": {"3": 101}}]
 
 
-def test_empty_prompt_is_refused():
-    assert refused(resolve_max_tokens, params=chat(), num_prompt_tokens=0, facts=FACTS).param == "prompt"
+@pytest.mark.parametrize("fields", ENGINE_RULES, ids=str)
+def test_the_sampling_rules_are_the_engines_alone(fields):
+    """A second copy of these rules in the gateway would refuse them here; the engine's SamplingParams
+    and EngineCore.validate do (tests/engine/test_request_validation.py, tests/e2e/test_errors.py)."""
+    chat(**fields)
+
+
+@pytest.mark.parametrize("call, fields, engine_param, param", [
+    (chat, {"max_completion_tokens": 7}, "max_tokens", "max_completion_tokens"),
+    (chat, {"max_tokens": 7}, "max_tokens", "max_tokens"),
+    (chat, {"logprobs": True, "top_logprobs": 3}, "logprobs", "top_logprobs"),
+    (completion, {"logprobs": 3}, "logprobs", "logprobs"),
+    (chat, {"response_format": {"type": "json_object"}}, "structured_output", "response_format"),
+    (completion, {"guided_regex": "a+"}, "structured_output", "guided_regex"),
+    (chat, {}, "temperature", "temperature"),
+])
+def test_an_engine_refusal_is_named_as_the_client_named_the_field(call, fields, engine_param, param):
+    assert call(**fields).request_param(engine_param) == param

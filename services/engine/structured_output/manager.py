@@ -5,6 +5,7 @@ Nothing here is built until the first constrained request: llguidance is importe
 checkpoint's tokenizer loaded.
 """
 
+from services.common.errors import InvalidRequestError
 from services.engine.scheduler_output import ScheduledChunk
 from services.engine.structured_output.constraint import Constraint
 from services.engine.structured_output.grammars import GrammarCompiler, GrammarStats
@@ -17,8 +18,12 @@ class StructuredOutputManager:
         self._filler: MaskFiller | None = None
 
     def check(self, constraint: Constraint) -> None:
-        """Compiles ``constraint`` (or finds it cached); raises InvalidRequestError naming what is wrong."""
-        self.compiler.compile(constraint)
+        """Compiles ``constraint`` (or finds it cached); raises InvalidRequestError naming what is wrong
+        (its parameter: ``structured_output``, which the gateway maps to the field the client used)."""
+        try:
+            self.compiler.compile(constraint)
+        except InvalidRequestError as error:
+            raise InvalidRequestError(str(error), param="structured_output") from None
 
     def matcher(self, constraint: Constraint):
         """A new matcher for a request's output (``Request.grammar``)."""
