@@ -106,7 +106,9 @@ def _message_proto(message: ChatMessage) -> tokenizer_pb2.ChatMessage:
     return tokenizer_pb2.ChatMessage(
         role=message.role, content=_flatten(message.content), name=message.name,
         tool_call_id=message.tool_call_id,
-        tool_calls_json=json.dumps(message.tool_calls) if message.tool_calls else "")
+        tool_calls=[tokenizer_pb2.ToolCall(id=call.id, type=call.type, function=tokenizer_pb2.FunctionCall(
+            name=call.function.name, arguments=call.function.arguments if isinstance(call.function.arguments, str)
+            else json.dumps(call.function.arguments))) for call in message.tool_calls or ()])
 
 
 async def _messages_proto(messages: list[ChatMessage]) -> list[tokenizer_pb2.ChatMessage]:

@@ -14,6 +14,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class FunctionCall(_Body):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = ""  # OpenAI's: the arguments' JSON text; an object is taken too
+
+
+class ToolCall(_Body):
+    """One call of an assistant turn, as a client sends the conversation back."""
+    id: StrictStr = ""
+    type: StrictStr = "function"
+    function: FunctionCall
+
+
 class StreamOptions(_Body):
     include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool | None = None
@@ -57,7 +69,7 @@ class ChatMessage(_Body):
     role: str
     content: StrictStr | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
 

@@ -120,29 +120,21 @@ def _message_dict(message: tokenizer_pb2.ChatMessage) -> dict[str, Any]:
         result["name"] = message.name
     if message.HasField("tool_call_id"):
         result["tool_call_id"] = message.tool_call_id
-    if message.tool_calls_json:
-        result["tool_calls"] = _tool_calls(message.tool_calls_json)
+    if message.tool_calls:
+        result["tool_calls"] = [_tool_call(call) for call in message.tool_calls]
     return result
 
 
-def _tool_calls(tool_calls_json: str) -> list[dict[str, Any]]:
+def _tool_call(call: tokenizer_pb2.ToolCall) -> dict[str, Any]:
     """OpenAI sends each call's arguments as a JSON string; chat templates (Llama 3.1, Qwen2.5, Hermes)
     expect the object, as transformers' examples pass it, so a string that holds JSON is parsed (as
     vLLM does). Arguments that are not JSON stay the string they were."""
     try:
-        calls = json.loads(tool_calls_json)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"tool_calls_json is not valid JSON: {exc}") from exc
-    if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
-        raise InvalidRequestError("tool_calls_json must be a JSON array of objects")
-    for call in calls:
-        function = call.get("function")
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                pass
-    return calls
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": call.type or "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _template_kwargs(template_kwargs_json: str) -> dict[str, Any]:

@@ -46,6 +46,9 @@ CASES = {
     "bad JSON schema": (chat, {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, "response_format",
                         "invalid JSON schema"),
+    "tool call without its function": (chat, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function"}]}, {"role": "user", "content": "hi"}]},
+                                       "messages.0.tool_calls.0.function", None),
     "bad guided regex": (completion, {"extra_body": {"guided_regex": "a(b"}}, "guided_regex", "invalid regex"),
     "n zero": (chat, {"n": 0}, "n", None),
     "n over the cap": (chat, {"n": MAX_N + 1}, "n", None),

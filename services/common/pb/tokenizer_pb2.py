@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19strata/v1/tokenizer.proto\x12\tstrata.v1\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\tB\x07\n\x05_nameB\x0f\n\r_tool_call_id\"\x91\x01\n\x11\x45ncodeChatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\"<\n\x12\x45ncodeChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"]\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x03 \x03(\r\"?\n\x12\x44\x65tokenizeResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x15\n\rnum_token_ids\x18\x02 \x01(\x04\"\x16\n\x14TokenizerInfoRequest\"\xaf\x01\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\tB\x0f\n\r_bos_token_id2\xee\x02\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.strata.v1.EncodeRequest\x1a\x19.strata.v1.EncodeResponse\x12I\n\nEncodeChat\x12\x1c.strata.v1.EncodeChatRequest\x1a\x1d.strata.v1.EncodeChatResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x19.strata.v1.DecodeResponse\x12M\n\nDetokenize\x12\x1c.strata.v1.DetokenizeRequest\x1a\x1d.strata.v1.DetokenizeResponse(\x01\x30\x01\x12I\n\x04Info\x12\x1f.strata.v1.TokenizerInfoRequest\x1a .strata.v1.TokenizerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19strata/v1/tokenizer.proto\x12\tstrata.v1\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xa3\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\'\n\ntool_calls\x18\x06 \x03(\x0b\x32\x13.strata.v1.ToolCallB\x07\n\x05_nameB\x0f\n\r_tool_call_idJ\x04\x08\x05\x10\x06\"O\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12)\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x17.strata.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\x91\x01\n\x11\x45ncodeChatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\"<\n\x12\x45ncodeChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"]\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x03 \x03(\r\"?\n\x12\x44\x65tokenizeResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x15\n\rnum_token_ids\x18\x02 \x01(\x04\"\x16\n\x14TokenizerInfoRequest\"\xaf\x01\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\tB\x0f\n\r_bos_token_id2\xee\x02\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.strata.v1.EncodeRequest\x1a\x19.strata.v1.EncodeResponse\x12I\n\nEncodeChat\x12\x1c.strata.v1.EncodeChatRequest\x1a\x1d.strata.v1.EncodeChatResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x19.strata.v1.DecodeResponse\x12M\n\nDetokenize\x12\x1c.strata.v1.DetokenizeRequest\x1a\x1d.strata.v1.DetokenizeResponse(\x01\x30\x01\x12I\n\x04Info\x12\x1f.strata.v1.TokenizerInfoRequest\x1a .strata.v1.TokenizerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODERESPONSE']._serialized_start=99
   _globals['_ENCODERESPONSE']._serialized_end=134
   _globals['_CHATMESSAGE']._serialized_start=137
-  _globals['_CHATMESSAGE']._serialized_end=278
-  _globals['_ENCODECHATREQUEST']._serialized_start=281
-  _globals['_ENCODECHATREQUEST']._serialized_end=426
-  _globals['_ENCODECHATRESPONSE']._serialized_start=428
-  _globals['_ENCODECHATRESPONSE']._serialized_end=488
-  _globals['_DECODEREQUEST']._serialized_start=490
-  _globals['_DECODEREQUEST']._serialized_end=553
-  _globals['_DECODERESPONSE']._serialized_start=555
-  _globals['_DECODERESPONSE']._serialized_end=585
-  _globals['_DETOKENIZEREQUEST']._serialized_start=587
-  _globals['_DETOKENIZEREQUEST']._serialized_end=680
-  _globals['_DETOKENIZERESPONSE']._serialized_start=682
-  _globals['_DETOKENIZERESPONSE']._serialized_end=745
-  _globals['_TOKENIZERINFOREQUEST']._serialized_start=747
-  _globals['_TOKENIZERINFOREQUEST']._serialized_end=769
-  _globals['_TOKENIZERINFORESPONSE']._serialized_start=772
-  _globals['_TOKENIZERINFORESPONSE']._serialized_end=947
-  _globals['_TOKENIZER']._serialized_start=950
-  _globals['_TOKENIZER']._serialized_end=1316
+  _globals['_CHATMESSAGE']._serialized_end=300
+  _globals['_TOOLCALL']._serialized_start=302
+  _globals['_TOOLCALL']._serialized_end=381
+  _globals['_FUNCTIONCALL']._serialized_start=383
+  _globals['_FUNCTIONCALL']._serialized_end=430
+  _globals['_ENCODECHATREQUEST']._serialized_start=433
+  _globals['_ENCODECHATREQUEST']._serialized_end=578
+  _globals['_ENCODECHATRESPONSE']._serialized_start=580
+  _globals['_ENCODECHATRESPONSE']._serialized_end=640
+  _globals['_DECODEREQUEST']._serialized_start=642
+  _globals['_DECODEREQUEST']._serialized_end=705
+  _globals['_DECODERESPONSE']._serialized_start=707
+  _globals['_DECODERESPONSE']._serialized_end=737
+  _globals['_DETOKENIZEREQUEST']._serialized_start=739
+  _globals['_DETOKENIZEREQUEST']._serialized_end=832
+  _globals['_DETOKENIZERESPONSE']._serialized_start=834
+  _globals['_DETOKENIZERESPONSE']._serialized_end=897
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=899
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=921
+  _globals['_TOKENIZERINFORESPONSE']._serialized_start=924
+  _globals['_TOKENIZERINFORESPONSE']._serialized_end=1099
+  _globals['_TOKENIZER']._serialized_start=1102
+  _globals['_TOKENIZER']._serialized_end=1468
 # @@protoc_insertion_point(module_scope)
