@@ -76,6 +76,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stats = core.stats()
         self._started = False
+        self._idle: asyncio.Event | None = None  # see wait_until_idle
         waiting = core.config.max_waiting_requests
         self.max_active = None if waiting == -1 else core.config.max_num_seqs + waiting  # admission bound
         self.stream_interval = core.config.stream_interval
@@ -109,6 +110,12 @@ class AsyncEngine:
     def num_active_requests(self) -> int:
         with self._lock:
             return len(self._streams)
+
+    async def wait_until_idle(self) -> None:
+        """Returns once no request is active; call it on the event loop the requests run on."""
+        while self.num_active_requests:
+            self._idle = asyncio.Event()  # set by the last request's generate() as it ends
+            await self._idle.wait()
 
     async def generate(
         self,
@@ -155,6 +162,9 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
+                idle = not self._streams
+            if idle and self._idle is not None:
+                self._idle.set()
             if self._step_tracer is not None:
                 self._step_tracer.forget(request_id)
             if not finished:

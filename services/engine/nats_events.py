@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from services.common.event_subjects import LOAD_REPORTS
+from services.common.event_subjects import KV_EVENTS, LOAD_REPORTS
 from services.common.nats_auth import connect_options
 from services.common.nats_logging import connection_callbacks
 from services.common.pb import events_pb2
@@ -130,21 +130,64 @@ class NatsPublisher:
             pass
 
 
-def publish_load(publisher: NatsPublisher, replica_id: str, address: str, max_num_seqs: int, stats,
-                 draining: bool = False) -> None:
-    """Publishes one ``LoadReport`` of ``stats`` (a ``SchedulerStats``), from the publisher's loop."""
-    s = stats
-    report = events_pb2.LoadReport(
-        replica_id=replica_id, address=address, num_running=s.num_running, num_waiting=s.num_waiting,
-        num_kv_blocks_used=s.num_kv_blocks_used, num_kv_blocks_total=s.num_kv_blocks_total,
-        prefix_cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
-        max_num_seqs=max_num_seqs, timestamp_ns=time.time_ns(), draining=draining)
-    publisher.publish(LOAD_REPORTS.format(replica_id=replica_id), report.SerializeToString())
+class EngineEvents:
+    """Everything one engine publishes, in one place: the KV-event buffer its block pool fills (engine
+    thread) sent as one batch after each step that changed the cache, and its load reports, every
+    ``load_report_interval_s`` while it serves and a last one saying it is draining."""
 
+    def __init__(self, replica_id: str, block_size: int, max_num_seqs: int, nats_url: str,
+                 load_report_interval_s: float) -> None:
+        self.replica_id = replica_id
+        self.max_num_seqs = max_num_seqs
+        self.buffer = KvEventBuffer(replica_id, block_size)
+        self.publisher = NatsPublisher(nats_url, name=f"strata-engine-{replica_id}")
+        self.load_report_interval_s = load_report_interval_s
+        self._kv_subject = KV_EVENTS.format(replica_id=replica_id)
+        self._load_subject = LOAD_REPORTS.format(replica_id=replica_id)
+        self._reports: asyncio.Task | None = None
+        self._address = ""
 
-async def report_load(publisher: NatsPublisher, replica_id: str, address: str, max_num_seqs: int,
-                      stats: Callable, interval_s: float) -> None:
-    """Publishes a ``LoadReport`` of ``stats()`` every ``interval_s``, forever."""
-    while True:
-        publish_load(publisher, replica_id, address, max_num_seqs, stats())
-        await asyncio.sleep(interval_s)
+    def connect(self) -> None:
+        """Starts the NATS connection in the background, on the running loop (the gRPC server's)."""
+        self.publisher.start()
+
+    def after_step(self, observe_step: Callable) -> Callable:
+        """``observe_step``, then the step's KV events out as one batch (engine thread)."""
+
+        def on_step(*args) -> None:
+            observe_step(*args)
+            batch = self.buffer.take_batch()
+            if batch is not None:
+                self.publisher.publish_threadsafe(self._kv_subject, batch.SerializeToString())
+
+        return on_step
+
+    def start_reports(self, address: str, stats: Callable) -> None:
+        """Publishes a load report of ``stats()`` (a ``SchedulerStats``) every interval, as reachable at
+        ``address``, from the running loop."""
+        self._address = address
+
+        async def report_forever() -> None:
+            while True:
+                self._publish_load(stats())
+                await asyncio.sleep(self.load_report_interval_s)
+
+        self._reports = asyncio.create_task(report_forever(), name="load-reports")
+
+    def announce_draining(self, stats) -> None:
+        """The last load report: routers stop sending here now, not at their next health check."""
+        if self._reports is not None:
+            self._reports.cancel()
+            self._publish_load(stats, draining=True)
+
+    async def close(self) -> None:
+        await self.publisher.close()
+
+    def _publish_load(self, s, draining: bool = False) -> None:
+        report = events_pb2.LoadReport(
+            replica_id=self.replica_id, address=self._address, num_running=s.num_running,
+            num_waiting=s.num_waiting, num_kv_blocks_used=s.num_kv_blocks_used,
+            num_kv_blocks_total=s.num_kv_blocks_total,
+            prefix_cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+            max_num_seqs=self.max_num_seqs, timestamp_ns=time.time_ns(), draining=draining)
+        self.publisher.publish(self._load_subject, report.SerializeToString())

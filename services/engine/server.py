@@ -17,7 +17,6 @@ import uvloop
 from opentelemetry import trace
 
 from services.common.errors import ServiceUnavailableError
-from services.common.event_subjects import KV_EVENTS
 from services.common.grpc_server import GrpcServer
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.tls import TlsFiles
@@ -25,7 +24,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
-from services.engine.nats_events import KvEventBuffer, NatsPublisher, publish_load, report_load
+from services.engine.nats_events import EngineEvents
 from services.engine.protocol import output_to_proto, sampling_params_from_proto
 from services.engine.request import RequestTimes
 from services.engine.stats_logger import StatsLogger
@@ -128,11 +127,12 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     servicer = EngineServicer(config, served_model_name)
     stop_requested = asyncio.Event()
     engine_ready = asyncio.Event()
-    events = _EventPublishing(config, nats_url, load_report_interval_s, advertise_address) if nats_url else None
+    events = (EngineEvents(config.replica_id, config.block_size, config.max_num_seqs, nats_url, load_report_interval_s)
+              if nats_url else None)
     grpc_thread = threading.Thread(
         target=loop.run_until_complete, name="grpc",
         args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested, events, tls,
-                          stats_logger),))
+                          stats_logger, advertise_address),))
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -172,17 +172,18 @@ async def _drain(engine: AsyncEngine, timeout_s: float) -> None:
     """Waits for the running requests to finish; at the timeout, ends the rest with UNAVAILABLE (a
     router moves one that had produced nothing yet to another replica; a started stream sees an
     error) and gives their streams a moment to carry that out."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while engine.num_active_requests and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    if engine.num_active_requests:
-        log.warning("drain timed out after %.0f s: aborting %d request(s)", timeout_s, engine.num_active_requests)
-        engine.abort_all(ServiceUnavailableError(
-            f"the engine replica stopped before the request finished (its drain timed out after {timeout_s:g} s)"))
-        deadline = loop.time() + 2.0
-        while engine.num_active_requests and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+    try:
+        await asyncio.wait_for(engine.wait_until_idle(), timeout_s)
+        return
+    except TimeoutError:
+        pass
+    log.warning("drain timed out after %.0f s: aborting %d request(s)", timeout_s, engine.num_active_requests)
+    engine.abort_all(ServiceUnavailableError(
+        f"the engine replica stopped before the request finished (its drain timed out after {timeout_s:g} s)"))
+    try:
+        await asyncio.wait_for(engine.wait_until_idle(), 2.0)
+    except TimeoutError:
+        pass
 
 
 def _reachable_address(host: str, port: int, advertise: str | None = None) -> str:
@@ -194,43 +195,18 @@ def _reachable_address(host: str, port: int, advertise: str | None = None) -> st
     return f"{name}:{port}"
 
 
-class _EventPublishing:
-    """The KV-event buffer the block pool fills, and the NATS publisher its batches and the load
-    reports go out through."""
-
-    def __init__(self, config: EngineConfig, nats_url: str, load_report_interval_s: float,
-                 advertise_address: str | None = None) -> None:
-        self.advertise_address = advertise_address
-        self.buffer = KvEventBuffer(config.replica_id, config.block_size)
-        self.publisher = NatsPublisher(nats_url, name=f"strata-engine-{config.replica_id}")
-        self.subject = KV_EVENTS.format(replica_id=config.replica_id)
-        self.load_report_interval_s = load_report_interval_s
-
-    def after_step(self, observe_step):
-        """``observe_step``, then the step's KV events out as one batch (engine thread)."""
-
-        def on_step(*args) -> None:
-            observe_step(*args)
-            batch = self.buffer.take_batch()
-            if batch is not None:
-                self.publisher.publish_threadsafe(self.subject, batch.SerializeToString())
-
-        return on_step
-
-
 async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_timeout_s: float,
                       engine_ready: asyncio.Event, stop_requested: asyncio.Event,
-                      events: _EventPublishing | None, tls: TlsFiles | None = None,
-                      stats_logger: StatsLogger | None = None) -> None:
+                      events: EngineEvents | None, tls: TlsFiles | None = None,
+                      stats_logger: StatsLogger | None = None, advertise_address: str | None = None) -> None:
     config = servicer.config
     server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}", tls)
     await server.start()
-    reports = stats_lines = None
+    stats_lines = None
     if events is not None:
-        events.publisher.start()
-        address = _reachable_address(host, bound, events.advertise_address)
+        events.connect()
     log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
     ready = asyncio.create_task(engine_ready.wait())
     await asyncio.wait([ready, asyncio.create_task(stop_requested.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -243,9 +219,7 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
         if stats_logger is not None:
             stats_lines = asyncio.create_task(stats_logger.run(lambda: servicer.engine.stats))
         if events is not None:
-            reports = asyncio.create_task(report_load(
-                events.publisher, config.replica_id, address, config.max_num_seqs,
-                lambda: servicer.engine.stats, events.load_report_interval_s))
+            events.start_reports(_reachable_address(host, bound, advertise_address), lambda: servicer.engine.stats)
         await stop_requested.wait()
     log.info("draining: no new requests; waiting up to %.0f s for the %d in flight", shutdown_timeout_s,
              servicer.engine.num_active_requests if servicer.engine else 0)
@@ -253,14 +227,12 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
     await server.set_serving(False)
     if stats_lines is not None:
         stats_lines.cancel()
-    if reports is not None:
-        reports.cancel()
-        publish_load(events.publisher, config.replica_id, address, config.max_num_seqs,
-                     servicer.engine.stats, draining=True)  # routers stop sending now, not at their next check
+    if events is not None and servicer.engine is not None:
+        events.announce_draining(servicer.engine.stats)
     if servicer.engine is not None:
         await _drain(servicer.engine, shutdown_timeout_s)
     await server.stop()
     if servicer.engine is not None:
         servicer.engine.shutdown()
     if events is not None:
-        await events.publisher.close()
+        await events.close()
