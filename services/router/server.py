@@ -1,7 +1,7 @@
 """The router's gRPC service: the same `strata.v1.Engine` as an engine, so the gateway does not know
 whether one engine or a fleet answers.
 
-``Generate`` hashes the prompt's blocks as the engines do, asks the policy for a replica, and relays
+``Generate`` asks `placement` for a replica (the policy over prefix overlap and load), and relays
 that replica's stream. If the replica fails before the first output (UNAVAILABLE: down, draining,
 unreachable; it is marked down), stops answering its health checks while the request waits for that
 output (hung: paused, partitioned), or refuses it for a full queue (RESOURCE_EXHAUSTED), the request goes
@@ -12,14 +12,12 @@ healthy replicas'. Health is SERVING while at least one replica is.
 """
 
 import asyncio
-import itertools
 import logging
 
 import grpc
 from opentelemetry import trace
 
 from services.common import client_span, error_details
-from services.common.block_hash import hash_prompt_blocks
 from services.common.errors import ResourceExhaustedError, ServiceUnavailableError
 from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
 from services.common.grpc_server import GrpcServer
@@ -27,7 +25,7 @@ from services.common.nats_auth import connect_options, is_authenticated
 from services.common.nats_logging import connection_callbacks
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
 from services.common.tls import TlsFiles
-from services.router.policy import POLICIES, Candidate
+from services.router.placement import Placement
 from services.router.metrics import RouterMetrics
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaSet
@@ -62,48 +60,22 @@ async def _first_output(call, replica: Replica):
 
 
 class RouterServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, replicas: ReplicaSet, index: PrefixIndex, router_id: str, hash_seed: int,
-                 max_attempts: int = 3, request_timeout_s: float = 3600.0, policy: str = "cache-aware",
-                 metrics: RouterMetrics | None = None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"--policy {policy!r} is not one of {', '.join(POLICIES)}")
-        self.policy = policy
-        self.replicas = replicas
-        self.index = index
+    """The relay and its failover; where a request goes is `placement`'s."""
+
+    def __init__(self, placement: Placement, router_id: str, max_attempts: int = 3,
+                 request_timeout_s: float = 3600.0, metrics: RouterMetrics | None = None) -> None:
+        self.placement = placement
+        self.replicas = placement.replicas
         self.router_id = router_id
-        self.hash_seed = hash_seed
         self.max_attempts = max_attempts
         self.request_timeout_s = request_timeout_s
-        self._turns = itertools.count()
         self.metrics = metrics or RouterMetrics()
-
-    def pick(self, request: engine_pb2.GenerateRequest, exclude: set[str]) -> tuple[Replica, float] | None:
-        """The replica for ``request`` among the healthy ones not in ``exclude`` (addresses), with the
-        fraction of the prompt's full blocks it holds."""
-        healthy = [r for r in self.replicas.healthy() if r.address not in exclude]
-        if not healthy:
-            return None
-        hashes_by_block_size: dict[int, list[int]] = {}
-        candidates = []
-        for replica in healthy:  # a healthy replica has answered Info (ReplicaSet.check)
-            block_size = replica.info.block_size
-            if block_size not in hashes_by_block_size:
-                hashes_by_block_size[block_size] = self.prompt_hashes(request, block_size)
-            hashes = hashes_by_block_size[block_size]
-            candidates.append(Candidate(replica.address, self.index.overlap(replica.replica_id, hashes),
-                                        replica.in_flight + replica.num_waiting, len(hashes)))
-        chosen = POLICIES[self.policy](candidates, next(self._turns))
-        return self.replicas.replicas[chosen.name], chosen.overlap
-
-    def prompt_hashes(self, request: engine_pb2.GenerateRequest, block_size: int) -> list[int]:
-        """The prompt's block hashes as an engine of ``block_size`` names its cached blocks."""
-        return hash_prompt_blocks(request.prompt_token_ids, block_size, self.hash_seed, request.cache_salt)
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         tried: set[str] = set()
         full = False  # a replica refused for a full queue
         while True:
-            picked = self.pick(request, tried) if len(tried) < self.max_attempts else None
+            picked = self.placement.pick(request, tried) if len(tried) < self.max_attempts else None
             if picked is None:
                 if full:
                     raise ResourceExhaustedError(f"every engine replica tried is at capacity "
@@ -219,7 +191,7 @@ async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | N
     replicas.on_refused = lambda report: metrics.refused_reports.inc()
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
-    servicer = RouterServicer(replicas, index, router_id, hash_seed, max_attempts, policy=policy, metrics=metrics)
+    servicer = RouterServicer(Placement(replicas, index, hash_seed, policy), router_id, max_attempts, metrics=metrics)
     server = GrpcServer([SERVICE_NAME], grace_s=shutdown_timeout_s)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}", tls)

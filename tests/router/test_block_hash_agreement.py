@@ -10,7 +10,7 @@ from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaSet
-from services.router.server import RouterServicer
+from services.router.placement import Placement
 
 PROMPT = list(range(100, 150))  # three full blocks of 16, and two tokens more
 
@@ -22,8 +22,8 @@ def engine_hashes(block_size: int, seed: int, salt: str) -> list[int]:
     return request.block_hashes
 
 
-def router(seed: int) -> RouterServicer:
-    return RouterServicer(ReplicaSet([]), PrefixIndex(), "router-0", seed)
+def router(seed: int) -> Placement:
+    return Placement(ReplicaSet([]), PrefixIndex(), seed)
 
 
 @pytest.mark.parametrize("salt", ["", "tenant-a"])
@@ -41,15 +41,15 @@ def test_a_salt_changes_every_block_hash():
 
 
 def test_each_replica_is_matched_at_its_own_block_size():
-    servicer = router(0)
+    placement = router(0)
     request = engine_pb2.GenerateRequest(prompt_token_ids=PROMPT)
     for address, block_size in (("a:1", 16), ("b:1", 8)):
         replica = Replica.connect(address)
         replica.healthy, replica.replica_id = True, address
         replica.info = engine_pb2.EngineInfoResponse(block_size=block_size)
-        servicer.replicas.replicas[address] = replica
+        placement.replicas.replicas[address] = replica
     # b:1 (blocks of 8) holds the prompt's first 4 of its 6 blocks; a:1 (blocks of 16) none of its 3.
-    servicer.index.apply(events_pb2.KvEventBatch(replica_id="b:1", seq=1, block_size=8, events=[events_pb2.KvEvent(
-        stored=events_pb2.KvBlocksStored(block_hashes=servicer.prompt_hashes(request, 8)[:4]))]))
-    replica, overlap = servicer.pick(request, exclude=set())
+    placement.index.apply(events_pb2.KvEventBatch(replica_id="b:1", seq=1, block_size=8, events=[events_pb2.KvEvent(
+        stored=events_pb2.KvBlocksStored(block_hashes=placement.prompt_hashes(request, 8)[:4]))]))
+    replica, overlap = placement.pick(request, exclude=set())
     assert replica.address == "b:1" and overlap == pytest.approx(4 / 6)
