@@ -66,6 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _engine_mask_figures(before: dict, after: dict) -> str:
+    """The engine's own account of the constrained run: per step with constrained requests, the time
+    filling their masks and the part of it the step waited for after the model ran."""
+    def delta(name: str) -> float:
+        key = next((k for k in after if k.startswith(name)), None)
+        return after[key][1] - before.get(key, ("", 0.0))[1] if key else 0.0
+
+    steps = delta("strata:structured_output_mask_seconds_count")
+    if not steps:
+        return ""
+    fill = delta("strata:structured_output_mask_seconds_sum") / steps
+    wait = delta("strata:structured_output_mask_wait_seconds_sum") / steps
+    compiled = delta("strata:structured_output_compile_seconds_count")
+    return (f"engine, per constrained step ({steps:.0f} steps): masks filled in {fill * 1e3:.2f} ms while the "
+            f"model ran, {wait * 1e3:.2f} ms waited for after it; {compiled:.0f} grammars compiled")
+
+
 async def _throughput(base_url: str, model: str, schema: dict, args) -> tuple[float, float, int]:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, 4000) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
@@ -110,9 +127,11 @@ async def _first_token_times(base_url: str, model: str, args) -> dict[str, float
     return medians
 
 
-def _report(base_url: str, model: str, args) -> int:
+def _report(base_url: str, model: str, args, engine_metrics_url: str | None = None) -> int:
     schema = json.loads(Path(args.schema).read_text()) if args.schema else default_schema()
+    before = _scrape(engine_metrics_url)
     constrained_tps, free_tps, failed = asyncio.run(_throughput(base_url, model, schema, args))
+    masks = _engine_mask_figures(before, _scrape(engine_metrics_url)) if engine_metrics_url else ""
     ttft = asyncio.run(_first_token_times(base_url, model, args))
     print(f"============ Structured output: {args.num_prompts} requests, {args.max_concurrency} streams "
           f"============")
@@ -120,6 +139,8 @@ def _report(base_url: str, model: str, args) -> int:
     print(f"{'unconstrained (same lengths)':<34}{free_tps:>14.1f}")
     print(f"{'JSON schema':<34}{constrained_tps:>14.1f}")
     print(f"constrained / unconstrained: {constrained_tps / free_tps:.2f}x")
+    if masks:
+        print(masks)
     print(f"time to first token, one stream, median of {args.num_compile_probes}:")
     for name, seconds in ttft.items():
         print(f"  {name:<32}{seconds * 1e3:>9.1f} ms")
@@ -128,6 +149,17 @@ def _report(base_url: str, model: str, args) -> int:
     if failed:
         print(f"{failed} requests failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _scrape(url: str | None) -> dict:
+    if url is None:
+        return {}
+    import urllib.request
+
+    from services.bench.server_metrics import parse_metrics
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return parse_metrics(response.read().decode())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         config = StackConfig(model=model, port=find_free_port(), served_model_name="bench", engine_args=engine_args,
                              gateway_args=["--log-level", "warning"], log_dir=Path(logs), echo_logs=False)
         with Stack(config) as stack:
-            return _report(stack.base_url, "bench", args)
+            return _report(stack.base_url, "bench", args, stack.metrics_urls.get("engine"))
 
 
 if __name__ == "__main__":
