@@ -15,6 +15,7 @@ import pytest
 
 from services.launcher import StackConfig, find_free_port
 from tests.e2e.conftest import serving
+from tests.waiting import until, wait_until
 
 API_KEY = "sk-abuse"
 MODEL = "strata-tiny-v1"
@@ -186,9 +187,9 @@ def test_limits_agree_and_nothing_over_them_is_retryable(http):
     assert_error(ids, 400, "input_tokens")
 
 
-async def _stream_gaps(client: httpx.AsyncClient, stop: asyncio.Event) -> list[tuple[float, float]]:
-    """(arrival, gap since the previous chunk) of each chunk of a long stream, until ``stop``."""
-    gaps, last = [], None
+async def _stream_gaps(client: httpx.AsyncClient, stop: asyncio.Event, gaps: list[tuple[float, float]]) -> None:
+    """Appends (arrival, gap since the previous chunk) of each chunk of a long stream to ``gaps``, until ``stop``."""
+    last = None
     body = completion_body(prompt="tell", max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True, stream=True)
     while not stop.is_set():
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -200,22 +201,22 @@ async def _stream_gaps(client: httpx.AsyncClient, stop: asyncio.Event) -> list[t
                     last = now
                 if stop.is_set():
                     break
-    return gaps
 
 
 def test_a_4mb_prompt_does_not_freeze_other_streams(abuse_stack):
     async def run():
         async with httpx.AsyncClient(base_url=abuse_stack.base_url, headers=HEADERS, timeout=60) as client:
-            stop = asyncio.Event()
-            streaming = asyncio.create_task(_stream_gaps(client, stop))
-            await asyncio.sleep(1.0)
+            stop, gaps = asyncio.Event(), []
+            streaming = asyncio.create_task(_stream_gaps(client, stop, gaps))
+            await until(lambda: len(gaps) >= 10, what="the other stream flowing")
             began = time.monotonic()
             big = await client.post("/v1/completions",
                                     json=completion_body(prompt="hello world " * (4_000_000 // 12)))
             ended = time.monotonic()
-            await asyncio.sleep(0.3)
+            await until(lambda: gaps[-1][0] > ended + 0.05, what="a chunk of the other stream after the big prompt")
             stop.set()
-            return big, began, ended, await streaming
+            await streaming
+            return big, began, ended, gaps
 
     big, began, ended, gaps = asyncio.run(run())
     assert big.status_code == 400
@@ -234,10 +235,7 @@ def test_a_client_that_leaves_is_one_log_line(abuse_stack):
         httpx.post(abuse_stack.base_url + "/v1/completions", json=body, headers=HEADERS,
                    timeout=httpx.Timeout(30, read=0.5))
     log = abuse_stack.config.log_dir / "gateway.log"
-    deadline = time.monotonic() + 5
-    while "the client disconnected" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.05)
+    wait_until(lambda: "the client disconnected" in log.read_text(), what=lambda: log.read_text()[-2000:])
     assert "Traceback" not in log.read_text()
 
 

@@ -12,7 +12,7 @@ LONG = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 2000, "temperatu
         "ignore_eos": True}
 
 
-def wait_until_idle(engine, stack, within_s: float = 1.0):
+def wait_until_idle(engine, stack, within_s: float = 30.0):
     """The engine has nothing running and no KV blocks in use, and the gateway nothing in flight."""
     deadline = time.monotonic() + within_s
     while True:
@@ -27,7 +27,7 @@ def wait_until_idle(engine, stack, within_s: float = 1.0):
         time.sleep(0.05)
 
 
-def wait_until_running(engine, count: int, within_s: float = 10.0):
+def wait_until_running(engine, count: int, within_s: float = 30.0):
     deadline = time.monotonic() + within_s
     while engine_load(engine).num_running < count:
         assert time.monotonic() < deadline, "the requests never started running"

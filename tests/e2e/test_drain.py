@@ -8,9 +8,9 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from services.launcher import Stack, StackConfig, find_free_port
+from tests.waiting import wait_until
 
 MAX_TOKENS = 600
 
@@ -28,7 +28,7 @@ def start(default_model_dir, tmp_path, shutdown_timeout: int) -> Stack:
 def stream(base_url: str, model: str, i: int, started: threading.Event, result: dict, max_tokens: int) -> None:
     body = {"model": model, "prompt": f"story {i}:", "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    events = []
+    events = result[i] = []  # filled as the events come
     try:
         with httpx.Client(timeout=120) as client, \
                 client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
@@ -38,23 +38,25 @@ def stream(base_url: str, model: str, i: int, started: threading.Event, result: 
                     started.set()
     except httpx.HTTPError as error:  # a cut connection: what the drain must never do
         events.append(f"cut: {error!r}")
-    result[i] = events
 
 
 def run_four_and_stop(stack: Stack, max_tokens: int = MAX_TOKENS) -> tuple[dict, float]:
     result: dict = {}
     started = [threading.Event() for _ in range(4)]
-    threads = [threading.Thread(target=stream, args=(stack.base_url, stack.model_name, i, started[i], result, max_tokens))
+    threads = [threading.Thread(target=stream,
+                                args=(stack.base_url, stack.model_name, i, started[i], result, max_tokens))
                for i in range(4)]
     for thread in threads:
         thread.start()
     for event in started:
         assert event.wait(60)
-    time.sleep(0.5)
+    wait_until(lambda: all(len(result[i]) >= 5 for i in range(4)), what="every stream a few tokens in")
     stopping = time.monotonic()
     stopper = threading.Thread(target=stack.stop)
     stopper.start()
-    time.sleep(1.0)  # the gateway is draining now: a new request is refused, not queued
+    gateway_log = stack.config.log_dir / "gateway.log"  # uvicorn's line once it stops taking connections
+    wait_until(lambda: "Shutting down" in gateway_log.read_text(), what="the gateway draining")
+    # the gateway is draining now: a new request is refused, not queued
     try:  # a new connection is refused (the listener is closed); one on an open connection gets a 503
         refused = httpx.post(f"{stack.base_url}/v1/completions", json={"model": stack.model_name, "prompt": "x",
                                                                        "max_tokens": 2}, timeout=10).status_code

@@ -7,9 +7,14 @@ import statistics
 import threading
 import time
 
+import grpc
 import httpx
 
+from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.launcher import Stack, StackConfig, find_free_port
+from tests.waiting import wait_until
+
+QUEUED = 512  # of the fan-out's 1,024 sequences: the engine runs 4 at a time
 
 
 def time_to_first_token(client: httpx.Client, model: str) -> float:
@@ -37,7 +42,10 @@ def test_a_small_request_beside_a_64x16_fan_out(default_model_dir, tmp_path):
         thread = threading.Thread(target=lambda: big.update(response=httpx.post(
             f"{stack.base_url}/v1/completions", json=fan_out, timeout=300)))
         thread.start()
-        time.sleep(1.5)  # its 1,024 sequences are queued at the engine now
+        with grpc.insecure_channel(stack.engine_addr) as channel:  # its 1,024 sequences are queued at the engine
+            engine = engine_pb2_grpc.EngineStub(channel)
+            wait_until(lambda: engine.Load(engine_pb2.LoadRequest(), timeout=5).num_waiting >= QUEUED,
+                       what=f"{QUEUED} of the fan-out's sequences waiting at the engine", poll_s=0.01)
         busy = statistics.median(time_to_first_token(client, stack.model_name) for _ in range(5))
         still_running = thread.is_alive()
         thread.join()

@@ -14,6 +14,7 @@ import pytest
 
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.launcher import Stack, StackConfig, find_free_port
+from tests.waiting import until
 
 NUM_STREAMS = 16
 MAX_TOKENS = 48
@@ -58,8 +59,9 @@ def wait_for_replicas(router_addr: str, count: int, timeout_s: float = 60.0) -> 
             time.sleep(0.2)
 
 
-async def one_stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event) -> dict:
-    result = {"tokens": 0, "finish_reason": None, "error": None, "completion_tokens": None}
+async def one_stream(client: openai.AsyncOpenAI, model: str, i: int, started: asyncio.Event, result: dict) -> dict:
+    """Streams one completion, counting into ``result`` (tokens, finish_reason, error, completion_tokens)."""
+    result.update(tokens=0, finish_reason=None, error=None, completion_tokens=None)
     try:
         stream = await client.completions.create(model=model, prompt=f"stream {i}: once upon a time",
                                                  max_tokens=MAX_TOKENS, stream=True, extra_body={"ignore_eos": True},
@@ -85,11 +87,12 @@ def test_kill_9_of_one_engine_while_16_streams_run(two_replicas):
     async def scenario():
         async with openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0,
                                       timeout=120) as client:
-            started = asyncio.Event()
-            streams = [asyncio.create_task(one_stream(client, stack.model_name, i, started))
+            started, progress = asyncio.Event(), [{} for _ in range(NUM_STREAMS)]
+            streams = [asyncio.create_task(one_stream(client, stack.model_name, i, started, progress[i]))
                        for i in range(NUM_STREAMS)]
             await asyncio.wait_for(started.wait(), 60)
-            await asyncio.sleep(0.3)  # a few tokens in: some streams are mid-way, some still queued
+            # a few tokens in: some streams are mid-way, some still queued
+            await until(lambda: max(p.get("tokens", 0) for p in progress) >= 4, what="a stream 4 tokens in")
             os.kill(victim.pid, signal.SIGKILL)
             killed_at = time.monotonic()
             # Requests sent right after the kill, while the engine is down: none may fail.

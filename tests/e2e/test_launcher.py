@@ -58,7 +58,7 @@ def test_replicas_behind_a_router(default_model_dir, tmp_path):
     with Stack(config) as stack:
         assert [s.name for s in stack.services] == ["tokenizer", "nats", "engine-0", "engine-1", "router", "gateway"]
         with grpc.insecure_channel(stack.engine_addr) as channel:  # the gateway's upstream is the router
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             info = engine_pb2_grpc.EngineStub(channel).Info(engine_pb2.EngineInfoRequest(), timeout=5)
             while info.num_kv_blocks < 128:  # until the router has checked both replicas
                 assert time.monotonic() < deadline, info

@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import time
 import urllib.parse
 import urllib.request
 
@@ -16,6 +14,8 @@ import openai
 import pytest
 
 from services.launcher import Stack, StackConfig, find_free_port
+from tests.processes import ServiceProcess
+from tests.waiting import wait_until
 
 
 def query(prometheus: str, expr: str) -> list[dict]:
@@ -38,26 +38,26 @@ def scraped_stack(default_model_dir, tmp_path):
         (tmp_path / "prometheus.yml").write_text(json.dumps(
             {"global": {"scrape_interval": "250ms"}, "scrape_configs": jobs}))
         port = find_free_port()
-        process = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                                    f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                   stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
         prometheus = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    up = query(prometheus, "up")
-                    if len(up) == len(jobs) and all(r["value"][1] == "1" for r in up):
-                        break
-                except OSError:
-                    pass
-                assert process.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-                assert time.monotonic() < deadline, f"targets not up: {up}"
-                time.sleep(0.25)
+
+        def all_up() -> bool:
+            try:
+                up = query(prometheus, "up")
+            except OSError:  # not listening yet
+                return False
+            return len(up) == len(jobs) and all(r["value"][1] == "1" for r in up)
+
+        with ServiceProcess("prometheus", [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                           f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                           f"--web.listen-address=127.0.0.1:{port}"],
+                            tmp_path / "prometheus.log", grace_s=20) as process:
+            process.wait_until(all_up, what="scraping every target")
             yield stack, prometheus
-        finally:
-            process.terminate()
-            process.wait(timeout=20)
+
+
+def value(result: list[dict]) -> float:
+    """The one sample of an instant query's result (0 when there is none)."""
+    return float(result[0]["value"][1]) if result else 0.0
 
 
 def test_every_service_is_scraped_and_no_counter_goes_backwards(scraped_stack):
@@ -71,12 +71,15 @@ def test_every_service_is_scraped_and_no_counter_goes_backwards(scraped_stack):
         some_requests(6)
         os.kill(paused.pid, signal.SIGSTOP)
         try:
-            time.sleep(1.5)  # its scrapes fail meanwhile
+            wait_until(lambda: value(query(prometheus, 'up{job="engine-1"}')) == 0,
+                       what="Prometheus seeing the paused engine down")  # its scrapes fail meanwhile
             some_requests(4)  # the router finds the other replica
         finally:
             os.kill(paused.pid, signal.SIGCONT)
         some_requests(6)
-        time.sleep(1.0)
+    wait_until(lambda: value(query(prometheus, "sum(strata:router_requests_total)")) >= 16
+               and value(query(prometheus, 'sum(strata:generation_tokens_total{job=~"engine-.*"})')) >= 16 * 4,
+               what="the last requests scraped")
     generated = query(prometheus, 'strata:generation_tokens_total{job=~"engine-.*"}')
     assert {r["metric"]["job"] for r in generated} == {"engine-0", "engine-1"}
     assert sum(float(r["value"][1]) for r in generated) >= 16 * 4

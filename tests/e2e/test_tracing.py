@@ -255,7 +255,7 @@ def test_polling_calls_make_no_traces_of_their_own(traced_stack):
                   metadata=(("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),))
     spans = receiver.wait_for({(ROUTER, "strata.v1.Engine/Info", SERVER)}, trace_id)
     assert [s.name for s in spans] == ["strata.v1.Engine/Info"]
-    time.sleep(1.5)  # a round of the router's checks, exported
+    time.sleep(1.5)  # part of what is tested: a round of the router's checks, which would be exported as roots
     roots = [s for s in receiver.all_spans() if not s.parent_id and s.name not in (ROOT, STEP)]
     assert not roots, [s.key for s in roots]
     assert not any(s.name.endswith("/health") or s.name == "GET /metrics" for s in receiver.all_spans())
@@ -312,7 +312,7 @@ def test_queued_requests_show_their_wait_make_no_error_and_their_steps_link_to_t
         assert (later.event_times["scheduled"] - later.event_times["queued"]) / 1e9 == pytest.approx(queue_s, abs=1e-6)
         waited_s = (finished_ns(earlier) - later.event_times["queued"]) / 1e9
         assert queue_s >= waited_s - 0.005  # it waited until the seat was free
-    deadline = time.monotonic() + 10  # an engine counts a request after streaming its last token
+    deadline = time.monotonic() + 30  # an engine counts a request after streaming its last token
     while True:
         after = {name: engine_histogram(url, histogram) for name, url in urls.items()}
         if sum(after[n]["+Inf"] - before[n]["+Inf"] for n in urls) >= 50 or time.monotonic() > deadline:
@@ -356,7 +356,7 @@ def test_every_service_logs_json_and_the_engines_their_stats_lines(traced_stack)
     stack, _ = traced_stack
     for i in range(3):
         chat(stack, {}, stream=False)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while True:
         stats = [r for name in ("engine-0", "engine-1") for r in log_records(stack, name)
                  if r["message"].startswith("Engine engine-")]
