@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Sets up the environment and runs the whole test suite. Extra arguments go to pytest.
+# Sets up the environment and runs the whole test suite. Extra arguments go to pytest, e.g.
+#   bash scripts/test.sh -m "not slow"     # the fast loop: no service processes, stacks or big sweeps
+#   bash scripts/test.sh tests/engine
+# Where torch sees no GPU, tests/conftest.py runs the Triton kernels in Triton's interpreter; on a
+# GPU they run compiled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export TRITON_INTERPRET=1  # Triton kernels, where present, run on the CPU interpreter
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?

@@ -3,21 +3,33 @@
 import os
 import socket
 
+import pytest
+
 # Tests start service processes (fork + exec) while this process holds gRPC channels and servers.
 # gRPC's fork handlers would then run in the child between fork and exec and can abort it; nothing
 # here forks without exec, so they are turned off before grpc is first imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-# Without a GPU, Triton kernels run in Triton's interpreter (read when triton is first imported).
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+
+
+def _torch_sees_a_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:  # the base install (tokenizer, router, gateway): no kernels to run
+        return False
+    return torch.cuda.is_available()
+
+
+# Where torch sees no GPU, the Triton kernels run in Triton's interpreter (read when triton is first
+# imported; the engines the tests start inherit it); on a GPU they run compiled, as they serve.
+if not _torch_sees_a_gpu():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The tests' NATS servers (tests/nats_server.py) require this token, as `strata up`'s do, and every
+# The tests' NATS servers (tests/processes.py) require this token, as `strata up`'s do, and every
 # engine, router and autoscaler a test starts inherits it from here.
 os.environ.setdefault("STRATA_NATS_TOKEN", "strata-tests-" + os.urandom(8).hex())
 
-import pytest
-
-from services.common.default_model import ensure_default_model
+from services.common.default_model import ensure_default_model  # noqa: E402 (after the environment above)
+from services.common.supervisor import ChildProcess  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +64,37 @@ def inductor_cache_dir(tmp_path_factory):
         path = tmp_path_factory.mktemp("inductor-cache")
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
         yield path
+
+
+# The `slow` marker, kept honest: a test that starts a service process (the launcher's ChildProcess:
+# tests/processes.py and `Stack` both start theirs with it) and is not marked slow fails, so that
+# `-m "not slow"` stays a loop of seconds.
+_num_spawned = 0
+_spawn = ChildProcess.spawn
+
+
+def _counted_spawn(self: ChildProcess) -> None:
+    global _num_spawned
+    _num_spawned += 1
+    _spawn(self)
+
+
+ChildProcess.spawn = _counted_spawn
+_SPAWNED_BEFORE = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_SPAWNED_BEFORE] = _num_spawned
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if call.when == "call" and report.passed and item.get_closest_marker("slow") is None:
+        started = _num_spawned - item.stash.get(_SPAWNED_BEFORE, _num_spawned)
+        if started:
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid} started {started} service process(es) but is not marked slow: "
+                               "mark it @pytest.mark.slow (or its module: pytestmark = pytest.mark.slow)")

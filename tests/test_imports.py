@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # imports each service in a new interpreter
+
 SERVICE_MODULES = {
     "tokenizer": ["services.tokenizer", "services.tokenizer.__main__", "services.tokenizer.server",
                   "services.common.default_model", "services.common.model_cli", "services.common.grpc_server"],

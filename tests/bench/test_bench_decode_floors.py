@@ -1,6 +1,7 @@
 """The batch-1 decode section of `strata bench offline`: the bytes behind its bandwidth floor,
 counted against the checkpoint's own parameters, and the projections its linear floor runs."""
 
+import pytest
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -34,6 +35,7 @@ def test_biases_and_tied_embeddings_are_counted(tmp_path):
     assert decode_step_bytes(mc, 4, context=0).weights == 4 * (num_params + mc.hidden_size)
 
 
+@pytest.mark.slow  # loads three architectures
 def test_projections_are_the_loaded_modules_in_layer_order(tmp_path):
     model_dir = write_random_llama(tmp_path / "tiny", "tiny")
     runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=4))

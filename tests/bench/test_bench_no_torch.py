@@ -1,6 +1,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # imports the bench modules in a new interpreter
+
 
 def test_bench_modules_do_not_import_torch():
     code = ("import sys\n"

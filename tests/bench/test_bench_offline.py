@@ -10,8 +10,10 @@ from services.bench import compare, offline
 from services.bench.checkpoints import write_random_llama
 from services.bench.decode_floors import decode_step_bytes
 from services.bench.floor import workload_cost
-from services.engine.models.config import load_model_config
 from services.bench.results import load_result
+from services.engine.models.config import load_model_config
+
+pytestmark = pytest.mark.slow  # runs the offline bench on a model
 
 
 def test_offline_bench_runs_engine_and_baselines_and_writes_a_comparable_result(tmp_path, capsys):

@@ -1,7 +1,11 @@
 """`strata bench routing` end to end on a small workload: both policies run through real stacks of
 two replicas behind the router, every request succeeds, and the table compares them."""
 
+import pytest
+
 from services.bench import routing
+
+pytestmark = pytest.mark.slow  # starts stacks for both policies
 
 
 def test_routing_bench_runs_both_policies(default_model_dir, capsys):

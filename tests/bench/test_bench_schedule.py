@@ -95,6 +95,7 @@ def serve(base_url, tmp_path, *extra):
                        "--disable-tqdm", "--random-input-len", "6", "--random-output-len", "4", *extra])
 
 
+@pytest.mark.slow  # a timed run of seconds
 def test_schedule_run_records_the_fleet_scaling_mid_run(start_server, tmp_path, capsys):
     base_url, state = start_server(metrics=True)
     state.gauges.update({CURRENT: 1, 'strata:num_requests_waiting{engine="0"}': 2,
@@ -141,6 +142,7 @@ def test_schedule_run_records_the_fleet_scaling_mid_run(start_server, tmp_path, 
     assert json.loads((tmp_path / "ramp.json").read_text())["runs"][0]["timeline"][0]["elapsed_s"] < 0.05
 
 
+@pytest.mark.slow  # a timed run of seconds
 def test_timeline_without_a_schedule_skips_an_unreachable_metrics_url(start_server, tmp_path):
     base_url, state = start_server()
     rc = serve(base_url, tmp_path, "--num-prompts", "6", "--request-rate", "30", "--timeline-interval", "0.05",
@@ -154,6 +156,7 @@ def test_timeline_without_a_schedule_skips_an_unreachable_metrics_url(start_serv
     assert (tmp_path / "plain_timeline.png").read_bytes().startswith(PNG_MAGIC)
 
 
+@pytest.mark.slow  # a timed run of seconds
 def test_without_the_flags_there_is_no_timeline(start_server, tmp_path):
     base_url, state = start_server(metrics=True)
     state.gauges[CURRENT] = 2

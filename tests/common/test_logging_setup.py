@@ -72,6 +72,7 @@ def test_the_flags():
         parser.parse_args(["--log-format", "xml"])
 
 
+@pytest.mark.slow  # runs each service's --help in a new interpreter
 @pytest.mark.parametrize("module", ["services.engine", "services.router", "services.gateway", "services.tokenizer",
                                     "services.autoscaler", "services.launcher"])
 def test_every_service_takes_the_flags(module):

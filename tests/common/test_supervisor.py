@@ -8,8 +8,12 @@ import sys
 import threading
 import time
 
+import pytest
+
 from services.common.supervisor import ChildProcess, Supervisor
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.slow  # starts and kills child processes
 
 
 def child(name: str, code: str) -> ChildProcess:

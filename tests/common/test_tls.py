@@ -13,6 +13,8 @@ from services.common.tls import TlsFiles, sync_channel
 from tests.processes import EngineProcess, NatsServer, RouterProcess, generate_request
 from tests.tls_certs import make_tls
 
+pytestmark = pytest.mark.slow  # starts engines, a router and a stack
+
 
 @pytest.fixture(scope="module")
 def tls_fleet(default_model_dir, tmp_path_factory, free_port_factory):

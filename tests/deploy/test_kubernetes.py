@@ -32,6 +32,8 @@ from services.gateway.__main__ import parse_args as gateway_args
 from services.router.__main__ import build_parser as router_parser
 from services.tokenizer.__main__ import build_parser as tokenizer_parser
 
+pytestmark = pytest.mark.slow  # builds every overlay with kubectl
+
 KUBERNETES_DIR = Path(__file__).parents[2] / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.33.0"  # the schemas checked against (grpc probes: 1.27+)
 NAMESPACE = "strata"

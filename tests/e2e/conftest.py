@@ -2,6 +2,8 @@
 ``services.launcher.Stack``, and clients for it: the real `openai` client (max_retries=0 so a
 retried status would show), httpx for raw HTTP, and gRPC stubs to look at the engine directly."""
 
+from pathlib import Path
+
 import grpc
 import httpx
 import openai
@@ -14,6 +16,14 @@ API_KEY = "sk-e2e-test"
 MODEL = "strata-tiny-v1"
 MAX_BODY_BYTES = 1_000_000
 MAX_N = 4
+
+
+def pytest_collection_modifyitems(items):
+    """Every test here runs against real processes (this session's stack, or a stack of its own): all are slow."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,8 @@ from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from .checkpoints import write_checkpoint
 from .prefill import prefill_requests
 
-pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+pytestmark = [pytest.mark.slow,  # torch.compile graphs against eager
+              pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")]
 
 BLOCK_SIZE = 4
 NUM_KV_BLOCKS = 64

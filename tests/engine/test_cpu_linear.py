@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from services.engine.cpu_kernels.linear import (PANEL, block_weight, can_run, linear_ref, small_m_linear,
-                                                unblock_weight)
+from services.engine.cpu_kernels.linear import PANEL, block_weight, can_run, linear_ref, small_m_linear, unblock_weight
 
 pytestmark = pytest.mark.skipif(not can_run(torch.float32), reason="no C++ compiler for the native CPU kernels")
 
@@ -19,6 +18,7 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0)
     return x, weight, b
 
 
+@pytest.mark.slow  # a 288-case shape sweep
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64])
 @pytest.mark.parametrize("n, k", [(7, 5), (123, 123), (1024, 512), (123, 1023), (7, 1376), (1024, 1376)])

@@ -31,6 +31,7 @@ def make_batch(contexts, block_size, num_kv_heads, group, head_dim, dtype, seed=
     return qkv[:, :num_heads], k_cache, v_cache, block_tables, torch.tensor(contexts)
 
 
+@pytest.mark.slow  # a 135-case shape sweep
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 @pytest.mark.parametrize("group, head_dim", [(1, 128), (2, 64), (2, 72), (4, 80), (4, 64)])
@@ -45,6 +46,7 @@ def test_matches_reference(dtype, block_size, group, head_dim, window):
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.slow  # long contexts in every dtype
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("contexts", [[1023], [5, 700, 1, 300], [2000, 17]])

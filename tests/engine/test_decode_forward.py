@@ -51,6 +51,7 @@ def prefill(runners: list[ModelRunner], prompt_lens: list[int]) -> tuple[list[Re
     return prefill_requests(runners, prompt_lens, tables), tables
 
 
+@pytest.mark.slow  # parity over three architectures
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("min_chunk_tokens", [256, 4])  # 4: every context split in chunks, then merged
 def test_native_step_matches_the_torch_forward(checkpoint, dtype, min_chunk_tokens):

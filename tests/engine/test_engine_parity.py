@@ -19,6 +19,8 @@ from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 from tests.engine.checkpoints import write_checkpoint
 
+pytestmark = pytest.mark.slow  # HF parity over checkpoints and engine settings
+
 NUM_NEW_TOKENS = 64
 VOCAB = 512
 ARCHS = {

@@ -15,6 +15,8 @@ from services.engine.threads import OPENMP_SPIN_COUNT, openmp_wait_env
 from tests.processes import EngineProcess, generate_request
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # starts engine processes
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -89,6 +89,7 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, to
     return {r.request_id: r.output_token_ids for r in requests}, logits_seen
 
 
+@pytest.mark.slow  # HF parity over checkpoints
 def test_greedy_matches_hf_generate_and_logits_match_hf_forward(checkpoint):
     torch.manual_seed(0)
     shared = torch.randint(3, 500, (12,)).tolist()

@@ -3,6 +3,8 @@ KvEventBatch (seq 1, 2, ... without gaps) whose stored chains are the blocks' sh
 router can compute them from a prompt; load reports with the replica's address and pool; and an
 engine that starts while NATS is down serves anyway and publishes once NATS is up."""
 
+import pytest
+
 from services.common.block_hash import hash_prompt_blocks
 from tests.nats_subscriber import Subscriber
 from tests.processes import EngineProcess, NatsServer, generate_request
@@ -10,6 +12,7 @@ from tests.processes import EngineProcess, NatsServer, generate_request
 BLOCK_SIZE = 16
 
 
+@pytest.mark.slow  # starts NATS and an engine
 def test_kv_events_and_load_reports_on_nats(default_model_dir, tmp_path, free_port_factory):
     port = free_port_factory()
     with NatsServer(free_port_factory()) as nats_server, Subscriber(nats_server.url) as subscriber, \
@@ -40,6 +43,7 @@ def test_kv_events_and_load_reports_on_nats(default_model_dir, tmp_path, free_po
         assert [h for _, h in subscriber.stored_chains("r1") for h in h] == expected
 
 
+@pytest.mark.slow  # starts NATS and an engine
 def test_an_engine_serves_while_nats_is_down_and_publishes_once_it_is_up(default_model_dir, tmp_path,
                                                                           free_port_factory):
     nats_port = free_port_factory()

@@ -14,6 +14,8 @@ from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 from tests.engine.checkpoints import write_checkpoint
 
+pytestmark = pytest.mark.slow  # HF parity through the Triton kernels
+
 pytest.importorskip("triton")
 NEW_TOKENS = 12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run interpreted

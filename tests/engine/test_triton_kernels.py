@@ -8,8 +8,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from services.engine.kernels.kv_store import kv_store, kv_store_reference  # noqa: E402
 from services.engine.cpu_kernels.paged_decode import paged_decode_ref  # noqa: E402
+from services.engine.kernels.kv_store import kv_store, kv_store_reference  # noqa: E402
 from services.engine.kernels.paged_decode import paged_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,6 +34,7 @@ def scattered_pools(num_heads, num_kv_heads, head_dim, block_size, seq_lens, dty
     return (t.to(DEVICE) for t in (q, k_cache, v_cache, tables, torch.tensor(seq_lens)))
 
 
+@pytest.mark.slow  # a shape sweep, in the interpreter without a GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (4, 2, 32), (8, 2, 24)])
 @pytest.mark.parametrize("window", [None, 5, 20])
@@ -114,6 +115,7 @@ def test_rotary_matches_the_models_rotation(dtype):
     torch.testing.assert_close(qk, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.slow  # a shape sweep, in the interpreter without a GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (6, 3, 24)])
 @pytest.mark.parametrize("window", [None, 7, 40])

@@ -6,6 +6,8 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
+
 from services.gateway import sse
 from services.gateway.chat import ChatRenderer
 from services.gateway.completions import CompletionRenderer
@@ -100,6 +102,7 @@ def test_empty_steps_send_no_chunk():
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["x"]
 
 
+@pytest.mark.slow  # imports the gateway in a new interpreter
 def test_gateway_does_not_import_torch():
     code = ("import sys, services.gateway, services.gateway.app, services.gateway.__main__, "
             "services.launcher; sys.exit('torch' in sys.modules)")

@@ -10,6 +10,8 @@ import pytest
 
 from tests.processes import EngineProcess, generate_request, start_fleet
 
+pytestmark = pytest.mark.slow  # starts NATS, engines and a router
+
 MAX_TOKENS = 96
 
 

@@ -15,6 +15,8 @@ from services.common.nats_auth import connect_options
 from services.common.pb import events_pb2
 from tests.processes import NatsServer, RouterProcess
 
+pytestmark = pytest.mark.slow  # starts NATS and a router
+
 
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:

@@ -8,6 +8,8 @@ from services.common import error_details
 from tests.processes import generate_request
 from tests.router.test_router import fleet  # noqa: F401  (the module's fleet: a router before two engines)
 
+pytestmark = pytest.mark.slow  # starts NATS, engines and a router (test_router's fleet)
+
 
 @pytest.mark.parametrize("request_, param, code", [
     (generate_request("bad-temperature", [5, 6], 2, temperature=-1.0), "temperature", None),

@@ -14,6 +14,8 @@ from services.common.pb import engine_pb2
 from tests.nats_subscriber import Subscriber
 from tests.processes import RouterProcess, generate_request, start_fleet
 
+pytestmark = pytest.mark.slow  # starts NATS, engines and routers
+
 
 @pytest.fixture(scope="module")
 def fleet(default_model_dir, tmp_path_factory, free_port_factory):

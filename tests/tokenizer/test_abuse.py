@@ -16,6 +16,8 @@ from services.common.pb import tokenizer_pb2 as pb
 from services.common.pb import tokenizer_pb2_grpc
 from tests.processes import TokenizerProcess
 
+pytestmark = pytest.mark.slow  # starts tokenizer processes
+
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 TEN_MILLION = "{{ 'x' * 10000000 }}"
 DOUBLING = "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"

@@ -15,6 +15,8 @@ from tests.processes import TokenizerProcess
 
 from .samples import HAND_PICKED, conversations
 
+pytestmark = pytest.mark.slow  # starts tokenizer processes
+
 
 @pytest.fixture(scope="module")
 def hf(default_model_dir):
