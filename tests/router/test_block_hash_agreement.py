@@ -44,7 +44,7 @@ def test_each_replica_is_matched_at_its_own_block_size():
     placement = router(0)
     request = engine_pb2.GenerateRequest(prompt_token_ids=PROMPT)
     for address, block_size in (("a:1", 16), ("b:1", 8)):
-        replica = Replica.connect(address)
+        replica = Replica(address, channel=None, stub=None, health=None)  # placement never calls it
         replica.healthy, replica.replica_id = True, address
         replica.info = engine_pb2.EngineInfoResponse(block_size=block_size)
         placement.replicas.replicas[address] = replica
