@@ -33,7 +33,7 @@ from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
 from services.common.supervisor import ChildProcess
 from services.launcher import nats_server_binary
 from services.launcher.probes import tcp_open
-from tests.waiting import DEADLINE_S
+from tests.waiting import DEADLINE_S, wait_until
 
 T = TypeVar("T")
 
@@ -80,17 +80,14 @@ class ServiceProcess:
                    poll_s: float = 0.05) -> T:
         """``condition()``'s first truthy value; fails naming this process, with its log's tail, if it
         exits first or ``timeout_s`` passes."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def holds() -> T:
             value = condition()
-            if value:
-                return value
-            if self.child.exit_code is not None:
+            if not value and self.child.exit_code is not None:
                 raise AssertionError(f"waiting for {what}: {self.child.describe_exit()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the {self.name} was not {what} after {timeout_s:.0f} s; its log:\n"
-                                     f"{self.log_tail()}")
-            time.sleep(poll_s)
+            return value
+
+        return wait_until(holds, timeout_s, lambda: f"the {self.name} was not {what}; its log:\n{self.log_tail()}",
+                          poll_s)
 
     def stop(self) -> int:
         """``stop_signal`` (SIGTERM unless set), SIGKILL after the grace; returns the exit code."""
