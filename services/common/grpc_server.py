@@ -28,8 +28,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.common import error_details, request_id, telemetry
-from services.common.tls import TlsFiles
 from services.common.errors import InvalidRequestError, ResourceExhaustedError, ServiceUnavailableError
+from services.common.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """A request as the engine tracks it, from arrival to finish."""
 
+import dataclasses
 import enum
 import time
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass
 
 from services.engine.sampling_params import SamplingParams

@@ -7,7 +7,6 @@ from functools import cached_property
 from services.common.errors import InvalidRequestError
 from services.engine.structured_output.constraint import Constraint
 
-
 SAMPLING_EPS = 1e-5  # a temperature below this samples greedily (dividing by it would overflow the logits)
 
 

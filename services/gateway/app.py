@@ -14,9 +14,15 @@ from services.gateway import chat, completions, errors
 from services.gateway.admission import AdmissionMiddleware
 from services.gateway.drain import Drain
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from services.gateway.middleware import (ApiKeyMiddleware, BodyLimitMiddleware, ErrorBoundaryMiddleware,
-                                         ErrorCountMiddleware, HttpMetricsMiddleware, RequestIdMiddleware,
-                                         TracingMiddleware)
+from services.gateway.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    ErrorBoundaryMiddleware,
+    ErrorCountMiddleware,
+    HttpMetricsMiddleware,
+    RequestIdMiddleware,
+    TracingMiddleware,
+)
 from services.gateway.serving import GatewayState, gateway_state
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.upstream import MAX_MESSAGE_BYTES, Upstream

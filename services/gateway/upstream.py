@@ -13,8 +13,8 @@ import json
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common import client_span
+from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.tls import TlsFiles, aio_channel
 from services.gateway import errors
 from services.gateway.validation import ModelFacts

@@ -6,8 +6,8 @@ import argparse
 import uvloop
 
 from services.common.block_hash import DEFAULT_HASH_SEED
-from services.common.nats_auth import is_authenticated
 from services.common.logging_setup import add_logging_args, setup_logging
+from services.common.nats_auth import is_authenticated
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.router.policy import POLICIES

@@ -25,8 +25,8 @@ from services.common.nats_auth import connect_options, is_authenticated
 from services.common.nats_logging import connection_callbacks
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
 from services.common.tls import TlsFiles
-from services.router.placement import Placement
 from services.router.metrics import RouterMetrics
+from services.router.placement import Placement
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaSet
 

@@ -19,9 +19,14 @@ from tokenizers import AddedToken, Tokenizer
 
 from services.common import checkpoint_facts
 from services.common.errors import InvalidRequestError
-from services.tokenizer.chat_template import DEFAULT_TEMPLATE_LIMITS, DEFAULT_TEMPLATE_NAME, load_chat_templates, render_chat
-from services.tokenizer.template_budget import TemplateLimits
+from services.tokenizer.chat_template import (
+    DEFAULT_TEMPLATE_LIMITS,
+    DEFAULT_TEMPLATE_NAME,
+    load_chat_templates,
+    render_chat,
+)
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.template_budget import TemplateLimits
 from services.tokenizer.transformers_loading import loads_as_llama_tokenizer, rebuild_as_llama_tokenizer
 
 # The named special tokens of transformers' tokenizers (`SPECIAL_TOKENS_ATTRIBUTES`).

@@ -19,9 +19,9 @@ from services.common.grpc_server import GrpcServer
 from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.tls import TlsFiles
 from services.tokenizer.chat_template import DEFAULT_TEMPLATE_LIMITS
-from services.tokenizer.template_budget import MAX_REQUEST_TEMPLATE_CHARS, TemplateLimits
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from services.tokenizer.metrics import TokenizerMetrics
+from services.tokenizer.template_budget import MAX_REQUEST_TEMPLATE_CHARS, TemplateLimits
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from services.autoscaler import kubernetes_provider
-from services.autoscaler.kubernetes_provider import (SCALE_REASON_ANNOTATION, KubernetesApi, KubernetesApiError,
-                                                     KubernetesProvider, label_selector)
+from services.autoscaler.kubernetes_provider import (
+    SCALE_REASON_ANNOTATION,
+    KubernetesApi,
+    KubernetesApiError,
+    KubernetesProvider,
+    label_selector,
+)
 from services.autoscaler.provider import FleetState
 
 NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC).timestamp()

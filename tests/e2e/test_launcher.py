@@ -11,8 +11,7 @@ import openai
 import pytest
 
 from services.common.pb import engine_pb2, engine_pb2_grpc
-from services.launcher import (Stack, StackConfig, StartupError, engine_flags, find_free_port, gateway_flags,
-                               parse_args)
+from services.launcher import Stack, StackConfig, StartupError, engine_flags, find_free_port, gateway_flags, parse_args
 
 
 def test_a_service_that_dies_at_startup_is_named_with_its_log(tmp_path):

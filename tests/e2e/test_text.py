@@ -7,7 +7,6 @@ by the tokenizer in one piece, give the text the gateway must have streamed.
 """
 
 from services.common.pb import engine_pb2
-
 from tests.e2e.conftest import MODEL, decode, encode
 
 PROMPT = "The lighthouse keeper said"

@@ -4,8 +4,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 _ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.cpu_kernels import linear as native_linear
-from services.engine.models.packed_linear import (NATIVE_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, can_pack,
-                                                  pack_linears)
+from services.engine.models.packed_linear import NATIVE_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
 ROWS = [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 64, 300]

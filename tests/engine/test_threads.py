@@ -5,8 +5,14 @@ import os
 import subprocess
 import sys
 
-from services.engine.threads import (OPENMP_SPIN_COUNT, ThreadGovernor, openmp_wait_env, resolve_num_threads,
-                                     thread_governor, usable_cores)
+from services.engine.threads import (
+    OPENMP_SPIN_COUNT,
+    ThreadGovernor,
+    openmp_wait_env,
+    resolve_num_threads,
+    thread_governor,
+    usable_cores,
+)
 from services.launcher import Stack, StackConfig
 
 

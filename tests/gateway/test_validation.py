@@ -6,8 +6,14 @@ import pytest
 
 from services.gateway.errors import OpenAIError
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.validation import (Limits, ModelFacts, completion_prompts, resolve_max_tokens,
-                                         validate_chat, validate_completion)
+from services.gateway.validation import (
+    Limits,
+    ModelFacts,
+    completion_prompts,
+    resolve_max_tokens,
+    validate_chat,
+    validate_completion,
+)
 
 FACTS = ModelFacts(name="tiny", max_model_len=100, eos_token_ids=frozenset({2}))
 LIMITS = Limits(max_n=4, max_stop_strings=3, max_prompts=5)

@@ -8,9 +8,9 @@ from services.common.pb import engine_pb2, events_pb2
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
+from services.router.placement import Placement
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaSet
-from services.router.placement import Placement
 
 PROMPT = list(range(100, 150))  # three full blocks of 16, and two tokens more
 
