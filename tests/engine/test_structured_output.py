@@ -11,6 +11,7 @@ import jsonschema
 import lark
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from services.common.errors import InvalidRequestError
 from services.common.pb import engine_pb2
@@ -21,7 +22,6 @@ from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ScheduledChunk
 from services.engine.structured_output.constraint import Constraint
-from tokenizers import Tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 8},
