@@ -5,7 +5,7 @@ import asyncio
 import threading
 
 from services.common.nats_auth import connect_options
-from services.common.pb import events_pb2
+from services.common.pb import engine_pb2, events_pb2
 from tests.waiting import wait_until
 
 
@@ -35,8 +35,8 @@ class Subscriber:
         return [events_pb2.KvEventBatch.FromString(data) for subject, data in list(self.messages)
                 if subject == f"strata.kv.{replica_id}"]
 
-    def load_reports(self, replica_id: str) -> list[events_pb2.LoadReport]:
-        return [events_pb2.LoadReport.FromString(data) for subject, data in list(self.messages)
+    def load_reports(self, replica_id: str) -> list[engine_pb2.LoadReport]:
+        return [engine_pb2.LoadReport.FromString(data) for subject, data in list(self.messages)
                 if subject == f"strata.load.{replica_id}"]
 
     def stored_chains(self, replica_id: str) -> list[tuple[int | None, list[int]]]:

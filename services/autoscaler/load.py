@@ -10,7 +10,7 @@ from services.autoscaler.decision import ReplicaLoad
 from services.common.event_subjects import ALL_LOAD_REPORTS
 from services.common.nats_auth import connect_options
 from services.common.nats_logging import connection_callbacks
-from services.common.pb import events_pb2
+from services.common.pb import engine_pb2
 
 log = logging.getLogger(__name__)
 
@@ -18,9 +18,9 @@ log = logging.getLogger(__name__)
 class FleetLoad:
     def __init__(self, max_age_s: float = 5.0) -> None:
         self.max_age_s = max_age_s
-        self._latest: dict[str, tuple[float, events_pb2.LoadReport]] = {}  # replica id -> (monotonic, report)
+        self._latest: dict[str, tuple[float, engine_pb2.LoadReport]] = {}  # replica id -> (monotonic, report)
 
-    def apply(self, report: events_pb2.LoadReport, now: float | None = None) -> None:
+    def apply(self, report: engine_pb2.LoadReport, now: float | None = None) -> None:
         if report.draining:
             self._latest.pop(report.replica_id, None)
             return
@@ -41,7 +41,7 @@ class FleetLoad:
         import nats
 
         async def on_report(message) -> None:
-            self.apply(events_pb2.LoadReport.FromString(message.data))
+            self.apply(engine_pb2.LoadReport.FromString(message.data))
 
         connection = await nats.connect(nats_url, name="strata-autoscaler", max_reconnect_attempts=-1,
                                         reconnect_time_wait=0.5, **connection_callbacks("strata-autoscaler"),

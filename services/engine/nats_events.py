@@ -21,6 +21,7 @@ from services.common.event_subjects import KV_EVENTS, LOAD_REPORTS
 from services.common.nats_auth import connect_options
 from services.common.nats_logging import connection_callbacks
 from services.common.pb import events_pb2
+from services.engine.protocol import load_report
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +184,6 @@ class EngineEvents:
     async def close(self) -> None:
         await self.publisher.close()
 
-    def _publish_load(self, s, draining: bool = False) -> None:
-        report = events_pb2.LoadReport(
-            replica_id=self.replica_id, address=self._address, num_running=s.num_running,
-            num_waiting=s.num_waiting, num_kv_blocks_used=s.num_kv_blocks_used,
-            num_kv_blocks_total=s.num_kv_blocks_total,
-            prefix_cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
-            max_num_seqs=self.max_num_seqs, timestamp_ns=time.time_ns(), draining=draining)
+    def _publish_load(self, stats, draining: bool = False) -> None:
+        report = load_report(self.replica_id, stats, self.max_num_seqs, self._address, draining)
         self.publisher.publish(self._load_subject, report.SerializeToString())

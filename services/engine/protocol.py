@@ -1,7 +1,10 @@
 """Conversion between the `strata.v1` engine protobufs and the engine's domain objects."""
 
+import time
+
 from services.common.pb import engine_pb2
 from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import SchedulerStats
 from services.engine.scheduler_output import RequestOutput, SampledLogprobs
 from services.engine.structured_output.constraint import constraint_from_proto
 
@@ -53,3 +56,14 @@ def output_to_proto(output: RequestOutput, replica_id: str) -> engine_pb2.Genera
     if output.stop_token_id is not None:
         response.stop_token_id = output.stop_token_id
     return response
+
+
+def load_report(replica_id: str, stats: SchedulerStats, max_num_seqs: int, address: str = "",
+                draining: bool = False) -> engine_pb2.LoadReport:
+    """The engine's load as it answers Load and publishes it on NATS (one message for both)."""
+    return engine_pb2.LoadReport(
+        replica_id=replica_id, address=address, num_running=stats.num_running, num_waiting=stats.num_waiting,
+        num_kv_blocks_used=stats.num_kv_blocks_used, num_kv_blocks_total=stats.num_kv_blocks_total,
+        prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+        num_preemptions=stats.num_preemptions, max_num_seqs=max_num_seqs, timestamp_ns=time.time_ns(),
+        draining=draining)

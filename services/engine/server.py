@@ -25,7 +25,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import EngineEvents
-from services.engine.protocol import output_to_proto, sampling_params_from_proto
+from services.engine.protocol import load_report, output_to_proto, sampling_params_from_proto
 from services.engine.request import RequestTimes
 from services.engine.stats_logger import StatsLogger
 from services.engine.step_tracing import StepTracer
@@ -86,16 +86,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             prefix_caching=self.config.enable_prefix_caching, max_logprobs=self.config.max_logprobs,
         )
 
-    async def Load(self, request: engine_pb2.LoadRequest, context) -> engine_pb2.LoadResponse:
+    async def Load(self, request: engine_pb2.LoadRequest, context) -> engine_pb2.LoadReport:
         if self.engine is None:
-            return engine_pb2.LoadResponse(replica_id=self.config.replica_id)
-        stats = self.engine.stats
-        return engine_pb2.LoadResponse(
-            replica_id=self.config.replica_id, num_running=stats.num_running, num_waiting=stats.num_waiting,
-            num_kv_blocks_used=stats.num_kv_blocks_used, num_kv_blocks_total=stats.num_kv_blocks_total,
-            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
-            num_preemptions=stats.num_preemptions,
-        )
+            return engine_pb2.LoadReport(replica_id=self.config.replica_id, max_num_seqs=self.config.max_num_seqs)
+        return load_report(self.config.replica_id, self.engine.stats, self.config.max_num_seqs,
+                           draining=not self.accepting)
 
 
 def _add_stage_events(span: trace.Span, times: RequestTimes) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
+from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.tls import TlsFiles, aio_channel
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class ReplicaSet:
             log.info("engine replica %s added", address)
         return self.replicas[address]
 
-    def _may_join(self, report: events_pb2.LoadReport) -> bool:
+    def _may_join(self, report: engine_pb2.LoadReport) -> bool:
         reason = None
         if not self.allow_joins:
             reason = "NATS is not authenticated, so only --engine-addrs are routed to"
@@ -124,7 +124,7 @@ class ReplicaSet:
             replica.down_since = time.monotonic()
             self.on_down(replica)
 
-    def apply_report(self, report: events_pb2.LoadReport) -> None:
+    def apply_report(self, report: engine_pb2.LoadReport) -> None:
         replica = self.by_replica_id(report.replica_id) or self.replicas.get(report.address)
         if report.draining:
             if replica is not None:

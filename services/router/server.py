@@ -13,6 +13,7 @@ healthy replicas'. Health is SERVING while at least one replica is.
 
 import asyncio
 import logging
+import time
 
 import grpc
 from opentelemetry import trace
@@ -143,15 +144,15 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         info.max_num_seqs = sum(r.info.max_num_seqs for r in known)
         return info
 
-    async def Load(self, request, context) -> engine_pb2.LoadResponse:
+    async def Load(self, request, context) -> engine_pb2.LoadReport:
         loads = await asyncio.gather(*(client_span.call(LOAD, r.address, lambda metadata, stub=r.stub: stub.Load(
             engine_pb2.LoadRequest(), timeout=2.0, metadata=metadata)) for r in self.replicas.healthy()),
                                      return_exceptions=True)
-        total = engine_pb2.LoadResponse(replica_id=self.router_id)
+        total = engine_pb2.LoadReport(replica_id=self.router_id, timestamp_ns=time.time_ns())
         for load in loads:
-            if isinstance(load, engine_pb2.LoadResponse):
+            if isinstance(load, engine_pb2.LoadReport):
                 for field in ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total",
-                              "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
+                              "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "max_num_seqs"):
                     setattr(total, field, getattr(total, field) + getattr(load, field))
         return total
 
@@ -164,7 +165,7 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
         index.apply(events_pb2.KvEventBatch.FromString(message.data))
 
     async def on_load_report(message) -> None:
-        replicas.apply_report(events_pb2.LoadReport.FromString(message.data))
+        replicas.apply_report(engine_pb2.LoadReport.FromString(message.data))
 
     connection = await nats.connect(nats_url, name="strata-router", max_reconnect_attempts=-1,
                                     reconnect_time_wait=0.5, **connection_callbacks("strata-router"),

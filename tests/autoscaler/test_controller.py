@@ -13,7 +13,7 @@ from services.autoscaler.decision import ScalingPolicy
 from services.autoscaler.load import FleetLoad
 from services.autoscaler.provider import FleetState
 from services.autoscaler.service import Controller
-from services.common.pb import events_pb2
+from services.common.pb import engine_pb2
 
 
 class InMemoryFleet:
@@ -34,8 +34,8 @@ class InMemoryFleet:
         pass
 
 
-def report(replica_id: str, waiting: int, draining: bool = False) -> events_pb2.LoadReport:
-    return events_pb2.LoadReport(replica_id=replica_id, num_running=4, num_waiting=waiting, num_kv_blocks_used=10,
+def report(replica_id: str, waiting: int, draining: bool = False) -> engine_pb2.LoadReport:
+    return engine_pb2.LoadReport(replica_id=replica_id, num_running=4, num_waiting=waiting, num_kv_blocks_used=10,
                                  num_kv_blocks_total=100, max_num_seqs=4, draining=draining)
 
 

@@ -79,7 +79,7 @@ def tokenizer(stack) -> tokenizer_pb2_grpc.TokenizerStub:
         yield tokenizer_pb2_grpc.TokenizerStub(channel)
 
 
-def engine_load(engine) -> engine_pb2.LoadResponse:
+def engine_load(engine) -> engine_pb2.LoadReport:
     return engine.Load(engine_pb2.LoadRequest(), timeout=5)
 
 

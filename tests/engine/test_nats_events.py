@@ -38,10 +38,10 @@ def test_kv_events_and_load_reports_on_nats(default_model_dir, tmp_path, free_po
         list(engine.stub.Generate(generate_request("b", prompt, 1, temperature=0.0), timeout=30))
         # a report after "b" was served shows its cache hit (reports before it may show none)
         subscriber.wait_for(lambda: subscriber.load_reports("r1")[-1:] and
-                            subscriber.load_reports("r1")[-1].prefix_cache_hit_rate > 0)
+                            subscriber.load_reports("r1")[-1].prefix_cache_hits > 0)
         report = subscriber.load_reports("r1")[-1]
         assert report.address == f"127.0.0.1:{port}" and report.num_kv_blocks_total == 256
-        assert report.max_num_seqs == 8 and 0 < report.prefix_cache_hit_rate <= 1
+        assert report.max_num_seqs == 8 and 0 < report.prefix_cache_hits <= report.prefix_cache_queries
         assert [h for _, h in subscriber.stored_chains("r1") for h in h] == expected
 
 

@@ -12,7 +12,7 @@ from nats.errors import Error as NatsError
 
 from services.common.event_subjects import LOAD_REPORTS
 from services.common.nats_auth import connect_options
-from services.common.pb import events_pb2
+from services.common.pb import engine_pb2
 from tests.processes import NatsServer, RouterProcess
 
 pytestmark = pytest.mark.slow  # starts NATS and a router
@@ -24,7 +24,7 @@ def rss_kib(pid: int) -> int:
 
 
 def forged_report(i: int) -> bytes:
-    return events_pb2.LoadReport(replica_id=f"rogue-{i}", address=f"127.0.0.2:{20000 + i}",
+    return engine_pb2.LoadReport(replica_id=f"rogue-{i}", address=f"127.0.0.2:{20000 + i}",
                                  max_num_seqs=8).SerializeToString()
 
 

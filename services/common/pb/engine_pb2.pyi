@@ -178,9 +178,10 @@ class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class LoadResponse(_message.Message):
-    __slots__ = ("replica_id", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+class LoadReport(_message.Message):
+    __slots__ = ("replica_id", "address", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "max_num_seqs", "timestamp_ns", "draining")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -188,7 +189,11 @@ class LoadResponse(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
+    address: str
     num_running: int
     num_waiting: int
     num_kv_blocks_used: int
@@ -196,4 +201,7 @@ class LoadResponse(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    def __init__(self, replica_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    timestamp_ns: int
+    draining: bool
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

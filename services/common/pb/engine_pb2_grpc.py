@@ -50,7 +50,7 @@ class EngineStub:
         self.Load = channel.unary_unary(
                 '/strata.v1.Engine/Load',
                 request_serializer=strata_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
-                response_deserializer=strata_dot_v1_dot_engine__pb2.LoadResponse.FromString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.LoadReport.FromString,
                 _registered_method=True)
 
 
@@ -97,7 +97,7 @@ def add_EngineServicer_to_server(servicer, server):
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
                     request_deserializer=strata_dot_v1_dot_engine__pb2.LoadRequest.FromString,
-                    response_serializer=strata_dot_v1_dot_engine__pb2.LoadResponse.SerializeToString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,7 +182,7 @@ class Engine:
             target,
             '/strata.v1.Engine/Load',
             strata_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
-            strata_dot_v1_dot_engine__pb2.LoadResponse.FromString,
+            strata_dot_v1_dot_engine__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

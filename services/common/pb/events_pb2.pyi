@@ -48,27 +48,3 @@ class KvEventBatch(_message.Message):
     timestamp_ns: int
     block_size: int
     def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., timestamp_ns: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
-
-class LoadReport(_message.Message):
-    __slots__ = ("replica_id", "address", "num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate", "max_num_seqs", "timestamp_ns", "draining")
-    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
-    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
-    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
-    DRAINING_FIELD_NUMBER: _ClassVar[int]
-    replica_id: str
-    address: str
-    num_running: int
-    num_waiting: int
-    num_kv_blocks_used: int
-    num_kv_blocks_total: int
-    prefix_cache_hit_rate: float
-    max_num_seqs: int
-    timestamp_ns: int
-    draining: bool
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
