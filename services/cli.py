@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "router": ("services.router.__main__", "run the router in front of engine replicas"),
     "gateway": ("services.gateway.__main__", "run the OpenAI HTTP gateway"),
     "autoscaler": ("services.autoscaler.__main__", "scale engine replicas on queue length and KV usage"),
-    "model": ("services.common.model_cli", "build the built-in default model (`strata model init [--dir DIR]`)"),
+    "model": ("services.default_model.cli", "build the built-in default model (`strata model init [--dir DIR]`)"),
     "generate": ("services.engine.offline", "generate offline from a checkpoint, no services"),
     "bench": ("services.bench.__main__", f"benchmarks: `strata bench {'|'.join(BENCH_TOOLS)}` (below)"),
 }

@@ -28,8 +28,8 @@ if not _torch_sees_a_gpu():
 # engine, router and autoscaler a test starts inherits it from here.
 os.environ.setdefault("STRATA_NATS_TOKEN", "strata-tests-" + os.urandom(8).hex())
 
-from services.common.default_model import ensure_default_model  # noqa: E402 (after the environment above)
 from services.common.supervisor import ChildProcess  # noqa: E402
+from services.default_model.model import ensure_default_model  # noqa: E402 (after the environment above)
 
 
 @pytest.fixture(scope="session")

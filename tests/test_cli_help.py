@@ -12,7 +12,7 @@ from services import cli
 from services.bench.__main__ import TOOLS
 
 COMMANDS = {name: (module, []) for name, (module, _) in cli.SUBCOMMANDS.items() if name not in ("bench", "model")}
-COMMANDS["model init"] = ("services.common.model_cli", ["init"])
+COMMANDS["model init"] = ("services.default_model.cli", ["init"])
 COMMANDS.update({f"bench {name}": (module, []) for name, (module, _) in TOOLS.items()})
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from services.common import model_cli
-from services.common.default_model import MODEL_NAME, SPECIAL_TOKENS, build_default_model, ensure_default_model
+from services.default_model import cli as model_cli
+from services.default_model.model import MODEL_NAME, SPECIAL_TOKENS, build_default_model, ensure_default_model
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 

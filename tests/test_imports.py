@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow  # imports each service in a new interpreter
 
 SERVICE_MODULES = {
     "tokenizer": ["services.tokenizer", "services.tokenizer.__main__", "services.tokenizer.server",
-                  "services.common.default_model", "services.common.model_cli", "services.common.grpc_server"],
+                  "services.default_model.model", "services.default_model.cli", "services.common.grpc_server"],
     "router": ["services.router.__main__", "services.router.server", "services.common.telemetry"],
     "gateway": ["services.gateway.__main__", "services.gateway.app"],
     "autoscaler": ["services.autoscaler.__main__", "services.autoscaler.service", "services.autoscaler.local_provider",

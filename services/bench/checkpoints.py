@@ -21,7 +21,7 @@ def write_random_llama(directory: Path, shape: str, seed: int = 0, servable: boo
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from services.common.default_model import VOCAB_SIZE, ensure_default_model
+    from services.default_model.model import VOCAB_SIZE, ensure_default_model
 
     torch.manual_seed(seed)
     fields = dict(SHAPES[shape], vocab_size=VOCAB_SIZE) if servable else SHAPES[shape]

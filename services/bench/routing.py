@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.shape:
             model_dir = str(write_random_llama(Path(tmp) / args.shape, args.shape, servable=True))
         if model_dir is None:
-            from services.common.default_model import ensure_default_model
+            from services.default_model.model import ensure_default_model
             model_dir = str(ensure_default_model())
         from services.engine.models.config import load_model_config
 

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.base_url:
         return _report(args.base_url.rstrip("/"), args.served_model_name, args)
-    from services.common.default_model import ensure_default_model
+    from services.default_model.model import ensure_default_model
     from services.launcher import Stack, StackConfig, find_free_port
 
     model = args.model or str(ensure_default_model())

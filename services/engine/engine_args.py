@@ -53,7 +53,7 @@ def model_dir_from_args(args: argparse.Namespace) -> str:
     """--model, or the built-in default model (built on first use)."""
     if args.model:
         return args.model
-    from services.common.default_model import ensure_default_model
+    from services.default_model.model import ensure_default_model
 
     return str(ensure_default_model())
 

@@ -68,7 +68,7 @@ class Stack:
         model_dir = config.model
         self.model_name = config.served_model_name or config.model or ""
         if model_dir is None:
-            from services.common.default_model import MODEL_NAME, ensure_default_model
+            from services.default_model.model import MODEL_NAME, ensure_default_model
             model_dir = str(ensure_default_model(config.cache_dir))
             self.model_name = config.served_model_name or MODEL_NAME
         python = [sys.executable, "-m"]

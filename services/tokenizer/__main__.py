@@ -4,11 +4,11 @@ import argparse
 
 import uvloop
 
-from services.common.default_model import ensure_default_model
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.metrics_http import start_metrics_server
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
+from services.default_model.model import ensure_default_model
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from services.tokenizer.server import TokenizerServicer, serve
 from services.tokenizer.template_budget import TemplateLimits

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from services.bench.llamacpp import server_command, verify_pre_tokenizer, wait_healthy
-from services.common.default_model import ensure_default_model
+from services.default_model.model import ensure_default_model
 
 
 def test_builtin_tokenizer_pre_tokenizes_as_gpt2(tmp_path):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from services.common.default_model import CORPUS_PATH
+from services.default_model.model import CORPUS_PATH
 
 BEGIN, END, START_HEADER, END_HEADER, EOT = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 MODEL_NAME = "strata-tiny-v1"
 SEED = 0
-CORPUS_PATH = Path(__file__).with_name("default_model_corpus.txt")
+CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2

@@ -2,7 +2,7 @@
 
 import argparse
 
-from services.common.default_model import MODEL_NAME, default_cache_dir, ensure_default_model, ensure_model_at
+from services.default_model.model import MODEL_NAME, default_cache_dir, ensure_default_model, ensure_model_at
 
 
 def main(argv: list[str] | None = None) -> int:
