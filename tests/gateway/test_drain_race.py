@@ -13,7 +13,8 @@ def test_cancelling_the_race_cancels_what_it_waits_for():
     async def run():
         never = asyncio.Queue()
         racing = asyncio.ensure_future(Drain().race(never.get()))
-        await asyncio.sleep(0.01)
+        while not [t for t in asyncio.all_tasks() if t not in (asyncio.current_task(), racing)]:
+            await asyncio.sleep(0)  # one turn of the loop, until the race waits on the step's own task
         racing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await racing
