@@ -43,13 +43,13 @@ class MaskFiller:
 
     def start(self, chunks: list[ScheduledChunk]) -> "StepMasks | None":
         """Starts filling the masks of the constrained requests that sample in this step; None if none do."""
-        rows = {c.request.request_id: i for i, c in enumerate(c for c in chunks if c.samples and c.request.grammar)}
-        if not rows:
+        constrained = [c.request for c in chunks if c.samples and c.request.grammar is not None]
+        if not constrained:
             return None
-        matchers = [c.request.grammar for c in chunks if c.samples and c.request.grammar]
         words = (self.compiler.tokenizer.vocab_size + 31) // 32
-        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
-        return StepMasks(rows, bitmask, self._thread.submit(self._fill, matchers, bitmask), self.stats)
+        bitmask = torch.empty((len(constrained), words), dtype=torch.int32)
+        filled = self._thread.submit(self._fill, [r.grammar for r in constrained], bitmask)
+        return StepMasks({r.request_id: row for row, r in enumerate(constrained)}, bitmask, filled, self.stats)
 
     def _fill(self, matchers, bitmask: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -71,13 +71,9 @@ class StepMasks:
         A row left with no finite logit (the constraint allows only what a penalty or min_tokens
         took away, such as EOS before min_tokens) takes its ``unprocessed`` logits, masked: the
         constraint wins."""
-        if not self.filled.done():
-            started = time.perf_counter()
-            self.filled.result()
-            self.stats.wait_seconds.append(time.perf_counter() - started)
-        else:
-            self.filled.result()
-            self.stats.wait_seconds.append(0.0)
+        started = time.perf_counter()
+        self.filled.result()
+        self.stats.wait_seconds.append(time.perf_counter() - started)
         logit_rows = [i for i, r in enumerate(requests) if r.request_id in self.rows]
         if not logit_rows:
             return
