@@ -30,10 +30,3 @@ def constraint_from_proto(message: engine_pb2.StructuredOutput) -> Constraint | 
         return Constraint(kind, "") if message.json_object else None
     return Constraint(kind, getattr(message, kind))
 
-
-def constraint_to_proto(constraint: Constraint) -> engine_pb2.StructuredOutput:
-    if constraint.kind == "choice":
-        return engine_pb2.StructuredOutput(choice=engine_pb2.Choices(choices=json.loads(constraint.source)))
-    if constraint.kind == "json_object":
-        return engine_pb2.StructuredOutput(json_object=True)
-    return engine_pb2.StructuredOutput(**{constraint.kind: constraint.source})

@@ -57,14 +57,15 @@ class GrammarCompiler:
             self._tokenizer = _load_tokenizer(self.model_dir, self.vocab_size, self.eos_token_ids)
         return self._tokenizer
 
-    def compile(self, constraint: Constraint):
-        """The pristine matcher of ``constraint``, compiled or from the cache; raises InvalidRequestError."""
+    def compile(self, constraint: Constraint, counted: bool = True):
+        """The pristine matcher of ``constraint``, compiled or from the cache; raises InvalidRequestError.
+        ``counted``: a lookup the cache metrics count (a request's first; `matcher` looks again)."""
         with self._lock:
-            self._stats.cache_queries += 1
+            self._stats.cache_queries += counted
             cached = self._cache.get(constraint.key)
             if cached is not None:
                 self._cache.move_to_end(constraint.key)
-                self._stats.cache_hits += 1
+                self._stats.cache_hits += counted
                 return cached
         started = time.perf_counter()
         matcher = self._compile(constraint)
@@ -82,8 +83,9 @@ class GrammarCompiler:
         return taken
 
     def matcher(self, constraint: Constraint):
-        """A new matcher for one request, at the start of its output."""
-        return self.compile(constraint).deep_copy()
+        """A new matcher for one request, at the start of its output (its constraint was compiled when the
+        request was checked, so this is a cache hit unless it was evicted meanwhile)."""
+        return self.compile(constraint, counted=False).deep_copy()
 
     def _compile(self, constraint: Constraint):
         from llguidance import LLMatcher
