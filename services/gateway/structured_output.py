@@ -51,14 +51,8 @@ def request_constraint(req: SamplingFields) -> Constraint | None:
         found += _response_format(req)
     if req.structured_outputs is not None:
         found += _structured_outputs(req.structured_outputs)
-    if req.guided_json is not None:
-        found.append(json_schema(req.guided_json, "guided_json"))
-    if req.guided_regex is not None:
-        found.append(Constraint("guided_regex", engine_pb2.StructuredOutput(regex=req.guided_regex)))
-    if req.guided_choice is not None:
-        found.append(_choice(req.guided_choice, "guided_choice"))
-    if req.guided_grammar is not None:
-        found.append(_grammar(req.guided_grammar, "guided_grammar"))
+    found += _by_kind({"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
+                       "grammar": req.guided_grammar}, "guided_{}")
     return only_one(*found)
 
 
@@ -93,18 +87,19 @@ def _structured_outputs(params: StructuredOutputsParams) -> list[Constraint]:
     if params.structural_tag is not None:
         raise errors.bad_request("structured_outputs.structural_tag is not supported; use json, regex, choice "
                                  "or grammar.", param="structured_outputs.structural_tag")
-    found = []
-    if params.json_ is not None:
-        found.append(json_schema(params.json_, "structured_outputs.json"))
-    if params.regex is not None:
-        found.append(Constraint("structured_outputs.regex", engine_pb2.StructuredOutput(regex=params.regex)))
-    if params.choice is not None:
-        found.append(_choice(params.choice, "structured_outputs.choice"))
-    if params.grammar is not None:
-        found.append(_grammar(params.grammar, "structured_outputs.grammar"))
+    found = _by_kind({"json": params.json_, "regex": params.regex, "choice": params.choice,
+                      "grammar": params.grammar}, "structured_outputs.{}")
     if params.json_object:
         found.append(Constraint("structured_outputs.json_object", engine_pb2.StructuredOutput(json_object=True)))
     return found
+
+
+def _by_kind(values: dict[str, Any], param_format: str) -> list[Constraint]:
+    """The constraints among vLLM's four kinds (json, regex, choice, grammar) that are set, each named by
+    ``param_format`` (``structured_outputs.{}`` or the older ``guided_{}``)."""
+    build = {"json": json_schema, "regex": lambda regex, param: Constraint(param, engine_pb2.StructuredOutput(
+        regex=regex)), "choice": _choice, "grammar": _grammar}
+    return [build[kind](value, param_format.format(kind)) for kind, value in values.items() if value is not None]
 
 
 def _choice(choices: list[str], param: str) -> Constraint:
