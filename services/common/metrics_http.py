@@ -5,8 +5,13 @@ OpenMetrics, and its newer releases then escape every character outside ``[a-zA-
 names: `strata:generation_tokens_total` would reach Prometheus as `strata_generation_tokens_total`,
 and no query or dashboard written against the documented names (vLLM's style, colon included)
 would find it. The classic text format keeps the names as written, and every Prometheus reads it.
+
+A scraper that hung up before its answer was written (its scrape timeout passed while the process was
+paused or busy) is not an error of this process: nothing is logged for it, where http.server prints a
+traceback.
 """
 
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -32,7 +37,13 @@ def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> T
         def log_message(self, *args) -> None:  # a scrape every few seconds is not news
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = _QuietServer((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # BrokenPipe, ConnectionReset: it left
+            super().handle_error(request, client_address)

@@ -1,4 +1,6 @@
-"""The engine's Prometheus metrics, named as vLLM's with the `strata:` prefix (label `model_name`)."""
+"""The engine's Prometheus metrics, named as vLLM's with the `strata:` prefix, each series labelled
+with the served ``model_name`` and the ``replica`` id (as the router labels its per-replica series),
+so that replicas scraped under one job (a Kubernetes Deployment's pods) stay apart."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -25,31 +27,32 @@ _GRAMMAR_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.0
 class EngineMetrics:
     """Updated from the engine thread after each step; served by `services.common.metrics_http`."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, replica_id: str = "") -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "replica"]
+        values = (model_name, replica_id)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"strata:{name}", doc, labels + list(extra), registry=self.registry)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"strata:{name}", doc, labels, registry=self.registry).labels(model_name)
+            return Gauge(f"strata:{name}", doc, labels, registry=self.registry).labels(*values)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"strata:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(f"strata:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(*values)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(model_name)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.").labels(*values)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(*values)
         self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
-        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).").labels(model_name)
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(model_name)
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(model_name)
+        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).").labels(*values)
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(*values)
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(*values)
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, in [0, 1].")
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
         self.step_seconds = Histogram("strata:engine_step_seconds", "Wall time of one engine step.", labels,
-                                      registry=self.registry).labels(model_name)
+                                      registry=self.registry).labels(*values)
         # Per finished request (stop or length), from the engine's own clock; see RequestTimes.
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival in the engine to first "
                                     "scheduled (a preempted request's later waits excluded).", _FIRST_TOKEN_BUCKETS)
@@ -70,14 +73,14 @@ class EngineMetrics:
         self.grammar_compile_time = histogram("structured_output_compile_seconds", "Time to compile a "
                                               "structured-output constraint (cache misses).", _GRAMMAR_BUCKETS)
         self.grammar_cache_queries = counter("structured_output_cache_queries", "Structured-output constraints "
-                                             "looked up in the compiled-grammar cache.").labels(model_name)
+                                             "looked up in the compiled-grammar cache.").labels(*values)
         self.grammar_cache_hits = counter("structured_output_cache_hits", "Structured-output constraints found "
-                                          "compiled in the cache.").labels(model_name)
+                                          "compiled in the cache.").labels(*values)
         self.mask_fill_time = histogram("structured_output_mask_seconds", "Time filling the token masks of one "
                                         "step's constrained requests (while the model runs).", _GRAMMAR_BUCKETS)
         self.mask_wait_time = histogram("structured_output_mask_wait_seconds", "Time a step waited for its "
                                         "token masks after the model ran.", _GRAMMAR_BUCKETS)
-        self.model_name = model_name
+        self._values = values
         self._last: SchedulerStats | None = None
 
     def start_http_server(self, host: str, port: int) -> None:
@@ -103,7 +106,7 @@ class EngineMetrics:
             if times.inter_token_s is not None:
                 self.inter_token_latency.observe(times.inter_token_s)
             if output.finished:
-                self.request_success.labels(self.model_name, output.finish_reason).inc()
+                self.request_success.labels(*self._values, output.finish_reason).inc()
                 self.queue_time.observe(times.queue_s)
                 self.prefill_time.observe(times.prefill_s)
                 self.decode_time.observe(times.decode_s)

@@ -114,7 +114,7 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     ``nats_url``, KV events and load reports go to NATS (see `nats_events`); with
     ``log_stats_interval_s``, a stats line is logged that often while there is traffic (`stats_logger`);
     with ``trace_steps_sample``, that fraction of the steps get a span (`step_tracing`)."""
-    metrics = EngineMetrics(served_model_name)
+    metrics = EngineMetrics(served_model_name, config.replica_id)
     stats_logger = StatsLogger(config.replica_id, log_stats_interval_s) if log_stats_interval_s else None
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)

@@ -10,6 +10,7 @@ import uvicorn
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
+from services.gateway.access_log import quiet_probes
 from services.gateway.app import MAX_BODY_BYTES_LIMIT, GatewayConfig, create_app
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.validation import Limits
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_format, service="strata-gateway")
+    quiet_probes()
     setup_tracing("strata-gateway")
     try:
         config = GatewayConfig(

@@ -71,6 +71,43 @@ def test_every_dashboard_query_names_metrics_its_job_exports():
     assert checked >= 20
 
 
+def labels_of(registry, name: str) -> set[str]:
+    """The label names of the series ``name`` (``le`` for a histogram's buckets)."""
+    for family in registry.collect():
+        if name in {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))}:
+            labels = {"le"} if name.endswith("_bucket") else set()
+            return labels | set(family.samples[0].labels if family.samples else ()) | set(_declared(registry, family))
+    return set()
+
+
+def _declared(registry, family) -> tuple[str, ...]:
+    collector = registry._names_to_collectors.get(family.name) or registry._names_to_collectors.get(
+        family.name + "_total")
+    return tuple(getattr(collector, "_labelnames", ()))
+
+
+def test_every_label_a_panel_groups_or_names_by_is_on_its_metrics():
+    """A per-replica panel groups by a label its metrics carry (``replica`` on an engine's own series),
+    or a target label Prometheus adds (``job``, ``instance``); a legend names only such labels."""
+    checked = 0
+    for panel in DASHBOARD["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            job = re.search(r'job="(\w+)"', expr)
+            if not job:
+                continue
+            names = set(re.findall(r"strata:[a-z0-9_:]+", expr))
+            grouped = {label.strip() for group in re.findall(r"by \(([^)]*)\)", expr) for label in group.split(",")}
+            legend = set(re.findall(r"{{(\w+)}}", target.get("legendFormat", "")))
+            for name in names:
+                carried = labels_of(REGISTRIES[job.group(1)], name) | {"job", "instance"}
+                assert grouped | legend <= carried, f"{panel['title']}: {name} has no {(grouped | legend) - carried}"
+                checked += 1
+    per_replica = [p for p in DASHBOARD["panels"] if "per replica" in p["title"] and "engine" in json.dumps(p)]
+    assert per_replica and all("{{replica}}" in t["legendFormat"] for p in per_replica for t in p["targets"])
+    assert checked >= 20
+
+
 def test_grafana_provisioning_matches_the_compose_mounts():
     mounts = {m.split(":")[1]: m.split(":")[0] for m in SERVICES["grafana"]["volumes"]}
     provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "dashboards.yml").read_text())

@@ -173,7 +173,8 @@ def test_the_gateway_exports_its_own_measures_and_the_engine_its_own(stack, http
     no engine series (an engine's are on the engine's /metrics, which Prometheus scrapes)."""
     prompt = list(range(10, 10 + 64))  # four full blocks of 16
     engine_metrics = httpx.get(stack.metrics_urls["engine"], timeout=10)
-    hits = f'strata:prefix_cache_hits_total{{model_name="{MODEL}"}}'
+    replica = f'{{model_name="{MODEL}",replica="engine-0"}}'  # every engine series names its replica
+    hits = f'strata:prefix_cache_hits_total{replica}'
     before = _metric(engine_metrics.text, hits)
     for _ in range(2):  # the second request finds the first one's blocks
         http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
@@ -189,5 +190,5 @@ def test_the_gateway_exports_its_own_measures_and_the_engine_its_own(stack, http
     assert _metric(engine_text, hits) - before >= 48
     load = engine_load(engine)
     assert _metric(engine_text, hits) == load.prefix_cache_hits
-    assert _metric(engine_text, f'strata:num_preemptions_total{{model_name="{MODEL}"}}') == load.num_preemptions
-    assert _metric(engine_text, f'strata:kv_cache_usage_perc{{model_name="{MODEL}"}}') == 0.0
+    assert _metric(engine_text, f'strata:num_preemptions_total{replica}') == load.num_preemptions
+    assert _metric(engine_text, f'strata:kv_cache_usage_perc{replica}') == 0.0

@@ -49,11 +49,11 @@ def run_all_queued(engine: AsyncEngine, consume) -> dict:
 
 
 def sample(metrics: EngineMetrics, name: str) -> float:
-    return metrics.registry.get_sample_value(f"strata:{name}", {"model_name": "m"})
+    return metrics.registry.get_sample_value(f"strata:{name}", {"model_name": "m", "replica": "engine-0"})
 
 
 def test_queued_requests_show_their_wait_as_queue_time_and_every_histogram_counts_right(core):
-    metrics = EngineMetrics("m")
+    metrics = EngineMetrics("m", "engine-0")
     engine = AsyncEngine(core, on_step=metrics.observe_step)
 
     async def consume(request_id):
