@@ -20,6 +20,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -28,6 +29,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from services.common.supervisor import die_with_parent
 
 VERSION = "0.3.36"
 CACHE_DIR = Path.home() / ".cache" / "strata" / "llamacpp"
@@ -172,14 +175,31 @@ def main(argv: list[str] | None = None) -> int:
     command = server_command(binary, gguf, args.port, args.threads, args.parallel, args.ctx_per_slot)
     command += shlex.split(args.server_args)
     print(" ".join(command), flush=True)
-    process = subprocess.Popen(command)
+    return serve(command, args.port)
+
+
+def serve(command: list[str], port: int) -> int:
+    """Runs the server until it exits, or until Ctrl-C or SIGTERM, which stop it (SIGTERM, then SIGKILL
+    after 30 s); it also gets SIGTERM if this process dies. A shell starting this in the background
+    leaves SIGINT ignored, so both signals are handled here explicitly."""
+    def stop(signum, _frame) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    process = subprocess.Popen(command, preexec_fn=die_with_parent)
     try:
-        wait_healthy(process, args.port)
-        print(f"llama-server healthy on http://127.0.0.1:{args.port} (Ctrl-C stops it)", flush=True)
+        wait_healthy(process, port)
+        print(f"llama-server healthy on http://127.0.0.1:{port} (Ctrl-C stops it)", flush=True)
         process.wait()
     except KeyboardInterrupt:
         pass
     finally:
         process.terminate()
-        process.wait(timeout=30)
-    return process.returncode or 0
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 0 if process.returncode in (0, -signal.SIGTERM) else process.returncode

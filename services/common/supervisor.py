@@ -32,7 +32,7 @@ except OSError:  # not Linux
     _prctl = None
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -61,7 +61,7 @@ class ChildProcess:
     def spawn(self) -> None:
         self.process = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=die_with_parent,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         if self.cpus:
             try:

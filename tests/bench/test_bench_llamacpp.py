@@ -1,14 +1,18 @@
 """The llama.cpp baseline's pieces that need no build: the tokenizer check behind the GGUF's "gpt-2"
-pre-tokenizer, the server's command line and its health wait."""
+pre-tokenizer, the server's command line, its health wait, and stopping it (with a stand-in server)."""
 
 import json
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from services.bench.llamacpp import server_command, verify_pre_tokenizer, wait_healthy
 from services.default_model.model import ensure_default_model
+from services.launcher import find_free_port
+from tests.waiting import wait_until
 
 
 def test_builtin_tokenizer_pre_tokenizes_as_gpt2(tmp_path):
@@ -34,3 +38,35 @@ def test_health_wait_fails_fast_when_the_server_exits():
     process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     with pytest.raises(RuntimeError, match="exited with 3"):
         wait_healthy(process, port=9, timeout_s=30)
+
+
+HEALTHY_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_the_server_on_sigterm_and_on_sigint_even_when_started_in_the_background(tmp_path, signum):
+    """`strata bench llamacpp serve &` from a script: the shell leaves SIGINT ignored, and a SIGTERM
+    used to kill the wrapper alone, leaving llama-server running."""
+    port = find_free_port()
+    (tmp_path / "server.py").write_text(HEALTHY_SERVER)
+    command = [sys.executable, str(tmp_path / "server.py"), str(port)]
+    wrapper = f"from services.bench.llamacpp import serve; raise SystemExit(serve({command!r}, {port}))"
+    process = subprocess.Popen([sys.executable, "-c", wrapper], stdout=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `cmd &` does
+    try:
+        assert "healthy" in process.stdout.readline()
+        (server,) = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
+                                                         text=True).stdout.split()]
+        process.send_signal(signum)
+        assert process.wait(timeout=30) == 0
+        wait_until(lambda: not Path(f"/proc/{server}").exists(), what="the server stopped")  # and reaped
+    finally:
+        process.kill()
