@@ -71,6 +71,7 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         self.max_attempts = max_attempts
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics or RouterMetrics()
+        self._counted: dict[str, engine_pb2.LoadReport] = {}  # each replica's latest answer, see Load
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         tried: set[str] = set()
@@ -148,12 +149,21 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         loads = await asyncio.gather(*(client_span.call(LOAD, r.address, lambda metadata, stub=r.stub: stub.Load(
             engine_pb2.LoadRequest(), timeout=2.0, metadata=metadata)) for r in self.replicas.healthy()),
                                      return_exceptions=True)
+        return self._fleet_load([load for load in loads if isinstance(load, engine_pb2.LoadReport)])
+
+    def _fleet_load(self, answers: list[engine_pb2.LoadReport]) -> engine_pb2.LoadReport:
+        """The fleet as one replica: what runs, waits and is cached now, summed over the replicas that
+        answered; the counters (prefix-cache queries and hits, preemptions) summed over every replica
+        that ever answered, each at its latest count, so that the total never goes backwards when a
+        replica stops answering (an unhealthy or departed replica's work still happened)."""
         total = engine_pb2.LoadReport(replica_id=self.router_id, timestamp_ns=time.time_ns())
-        for load in loads:
-            if isinstance(load, engine_pb2.LoadReport):
-                for field in ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total",
-                              "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "max_num_seqs"):
-                    setattr(total, field, getattr(total, field) + getattr(load, field))
+        for load in answers:
+            for field in ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "max_num_seqs"):
+                setattr(total, field, getattr(total, field) + getattr(load, field))
+            self._counted[load.replica_id or load.address] = load
+        for load in self._counted.values():
+            for field in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
+                setattr(total, field, getattr(total, field) + getattr(load, field))
         return total
 
 
