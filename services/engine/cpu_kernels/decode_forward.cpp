@@ -196,7 +196,7 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
                                mw.num_heads, mw.num_kv_heads, dim, mw.block_size, qkv_size, dim, in.table_stride,
                                lw.window, mw.scale});
     plans.push_back(plan_chunks(problems.back(), in.min_chunk_tokens, num_threads));
-    if (plans.back().split) num_partials = std::max(num_partials, plans.back().num_items(problems.back()));
+    if (plans.back().split) num_partials = std::max(num_partials, plans.back().num_partials(problems.back()));
   }
   std::unique_ptr<Partial[]> partials(num_partials ? new Partial[num_partials] : nullptr);
   const T* embed = static_cast<const T*>(mw.embed);

@@ -1,9 +1,10 @@
 // Paged decode attention on the CPU: one new query token per request, straight over the block pool.
 //
-// A work item is (request, kv_head, context chunk). It reads each K/V row of its chunk once for all the
-// query heads of its GQA group, keeps float32 accumulators with an online softmax over tiles of tokens,
-// and either writes the normalised output (a request in one chunk) or its partial (max, sum, acc) for a
-// merge pass (a long context split in several chunks, so both cores work even at batch 1).
+// A work item is a request's context chunk, attended for each kv head in turn. It reads each K/V row of
+// the chunk once for all the query heads of a GQA group, keeps float32 accumulators with an online
+// softmax over tiles of tokens, and either writes the normalised output (a request in one chunk) or
+// its partials (max, sum, acc per kv head) for a merge pass (a long context split in several chunks,
+// so both cores work even at batch 1).
 // Pools hold float32, bfloat16 or float16; the output is always float32 (the caller casts).
 
 #include "paged_decode_kernels.h"
@@ -13,7 +14,7 @@ namespace {
 template <int Dt>
 void run(const Problem& p, int64_t min_chunk_tokens) {
   const Plan plan = plan_chunks(p, min_chunk_tokens, omp_get_max_threads());
-  std::vector<Partial> partials(plan.split ? plan.num_items(p) : 0);
+  std::vector<Partial> partials(plan.split ? plan.num_partials(p) : 0);
 #pragma omp parallel
   attend<Dt>(p, plan, partials.data());
 }

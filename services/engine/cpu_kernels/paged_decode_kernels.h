@@ -114,8 +114,8 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
-// Running softmax state of one work item: per query head of the group, the max score, the sum of
-// e^(score - max) and the unnormalised weighted sum of V rows.
+// Running softmax state of one (context chunk, kv head): per query head of the group, the max score,
+// the sum of e^(score - max) and the unnormalised weighted sum of V rows.
 struct Partial {
   float max[kMaxGroup];
   float sum[kMaxGroup];
@@ -340,12 +340,16 @@ void merge(const Problem& p, const Partial* chunks, int64_t num_chunks, Partial&
 
 // How one step's work is cut: each request's visible span [first, seq_len) in chunks of chunk_tokens,
 // short enough that every thread gets about kItemsPerThread items, never shorter than min_chunk_tokens;
-// a work item is (chunk, kv_head). Chunks of a split request leave partials for a merge pass.
+// a work item is a chunk with all its kv heads, one after the other, so that the K/V rows of a token
+// (every head's, side by side in the pool) are read by one thread, close together in time, where
+// (chunk, kv_head) items had two threads read the heads' quarter rows apart (a 64-row float32 step
+// ~4% faster; bfloat16 within this machine's noise). Chunks of a split request leave partials (one per
+// chunk and kv head) for a merge pass.
 struct Plan {
   std::vector<int64_t> first, chunk_start;
   int64_t chunk_tokens = 0, num_chunks = 0;
   bool split = false;
-  int64_t num_items(const Problem& p) const { return num_chunks * p.num_kv_heads; }
+  int64_t num_partials(const Problem& p) const { return num_chunks * p.num_kv_heads; }
 };
 
 Plan plan_chunks(const Problem& p, int64_t min_chunk_tokens, int64_t num_threads) {
@@ -358,7 +362,7 @@ Plan plan_chunks(const Problem& p, int64_t min_chunk_tokens, int64_t num_threads
     total_span += p.seq_lens[r] - plan.first[r];
   }
   const int64_t target_items = kItemsPerThread * num_threads;
-  plan.chunk_tokens = std::max(min_chunk_tokens, (total_span * p.num_kv_heads + target_items - 1) / target_items);
+  plan.chunk_tokens = std::max(min_chunk_tokens, (total_span + target_items - 1) / target_items);
   for (int64_t r = 0; r < p.num_reqs; ++r) {
     const int64_t span = p.seq_lens[r] - plan.first[r];
     plan.chunk_start[r + 1] = plan.chunk_start[r] + std::max<int64_t>(1, (span + plan.chunk_tokens - 1) / plan.chunk_tokens);
@@ -369,21 +373,22 @@ Plan plan_chunks(const Problem& p, int64_t min_chunk_tokens, int64_t num_threads
 }
 
 // The work items of `plan` split over the threads of the enclosing parallel region (serial outside
-// one), then the merges; ends with a barrier. `partials` holds plan.num_items(p) entries when it splits.
+// one), then the merges; ends with a barrier. `partials` holds plan.num_partials(p) entries when it splits.
 template <int Dt>
 void attend(const Problem& p, const Plan& plan, Partial* partials) {
   Partial local;
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t item = 0; item < plan.num_items(p); ++item) {
-    const int64_t chunk = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
+  for (int64_t chunk = 0; chunk < plan.num_chunks; ++chunk) {
     const int64_t req =
         std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), chunk) - plan.chunk_start.begin() - 1;
     const int64_t lo = plan.first[req] + (chunk - plan.chunk_start[req]) * plan.chunk_tokens;
     const int64_t hi = std::min(p.seq_lens[req], lo + plan.chunk_tokens);
     const bool alone = plan.chunk_start[req + 1] - plan.chunk_start[req] == 1;
-    Partial& part = alone ? local : partials[kv_head * plan.num_chunks + chunk];
-    attend_chunk<Dt>(p, req, kv_head, lo, hi, part);
-    if (alone) write_output(p, req, kv_head, part);
+    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+      Partial& part = alone ? local : partials[kv_head * plan.num_chunks + chunk];
+      attend_chunk<Dt>(p, req, kv_head, lo, hi, part);
+      if (alone) write_output(p, req, kv_head, part);
+    }
   }
   if (plan.split) {
 #pragma omp for schedule(dynamic, 1)
