@@ -8,6 +8,10 @@ Both runs use the same engine settings, with `--max-num-seqs` set to `--max-conc
 in-process engine batches as many requests as the clients keep in flight. Requests are token-id
 prompts of `--input-len` tokens ± `--range-ratio`, each generating `--output-len` tokens (EOS
 ignored, greedy).
+
+On a machine whose speed drifts (a shared VM: 20-40% between runs minutes apart), `--repeats N`
+runs the pair N times, in-process then stack each time, with the engine loaded and the stack
+started once; it prints every pair and the median of the pairs' ratios, the figure to quote.
 """
 
 import argparse
@@ -18,6 +22,8 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.bench.checkpoints import SHAPES, write_random_llama
@@ -40,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--range-ratio", type=float, default=0.5,
                         help="lengths uniform in len·(1±r) (default: %(default)s)")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the in-process and stack pair this many times, alternating, and report the "
+                             "median ratio (default: %(default)s)")
     return parser
 
 
@@ -53,19 +62,16 @@ def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [length(args.output_len) for _ in prompts]
 
 
-def run_in_process(config, prompts, output_lens) -> tuple[int, float, float]:
+def run_in_process(llm, prompts, output_lens) -> tuple[int, float, float]:
     """Output tokens, seconds, and the median TPOT over requests (as a streaming client sees it:
-    from each request's first token to its last)."""
-    from services.engine.llm import LLM
+    from each request's first token to its last), on ``llm`` (an `LLM`, warmed up)."""
     from services.engine.sampling_params import SamplingParams
 
-    llm = LLM(config)
-    llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     core = llm.core
     first_at, last_at, num_tokens = {}, {}, {}
     started = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
-        core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        core.add_request(f"run-{started}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     while core.has_unfinished_requests():
         outputs = core.step()
         now = time.perf_counter()
@@ -97,8 +103,9 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens,
             len(outputs) - len(done))
 
 
-def run_through_stack(config, engine_argv: list[str], prompts, output_lens,
-                      concurrency: int) -> tuple[int, float, float, int]:
+@contextmanager
+def running_stack(config, engine_argv: list[str]):
+    """`strata up` on ``config``'s model with ``engine_argv``, on loopback; yields its base URL."""
     from services.launcher import Stack, StackConfig, find_free_port
 
     with tempfile.TemporaryDirectory() as logs:
@@ -106,7 +113,7 @@ def run_through_stack(config, engine_argv: list[str], prompts, output_lens,
                                    engine_args=engine_argv, gateway_args=["--log-level", "warning"],
                                    log_dir=Path(logs), echo_logs=False)
         with Stack(stack_config) as stack:
-            return asyncio.run(_stream_all(stack.base_url, "bench", prompts, output_lens, concurrency))
+            yield stack.base_url
 
 
 def _engine_argv(config) -> list[str]:
@@ -135,24 +142,55 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
 
 
+@dataclass(frozen=True)
+class Pair:
+    """One in-process run and one stack run of the same requests: (tokens, seconds, median TPOT) each."""
+    engine: tuple[int, float, float]
+    stack: tuple[int, float, float]
+    failed: int
+
+    @property
+    def throughput_ratio(self) -> float:
+        return (self.stack[0] / self.stack[1]) / (self.engine[0] / self.engine[1])
+
+    @property
+    def tpot_ratio(self) -> float:
+        return self.stack[2] / self.engine[2] if self.engine[2] else float("nan")
+
+
 def _run(args) -> int:
     from services.engine.engine_args import config_from_args
+    from services.engine.llm import LLM
     from services.engine.models.config import load_model_config
+    from services.engine.sampling_params import SamplingParams
 
+    if args.repeats < 1:
+        raise SystemExit(f"strata bench overhead: --repeats {args.repeats} must be at least 1")
     config = config_from_args(args)
     prompts, output_lens = make_workload(args, load_model_config(config.model).vocab_size)
-    print(f"{len(prompts)} requests, {sum(output_lens)} output tokens, concurrency {args.max_concurrency}",
-          file=sys.stderr)
-    engine_tokens, engine_s, engine_tpot = run_in_process(config, prompts, output_lens)
-    gc.collect()
-    stack_tokens, stack_s, stack_tpot, failed = run_through_stack(config, _engine_argv(config), prompts,
-                                                                  output_lens, args.max_concurrency)
-    engine_tps, stack_tps = engine_tokens / engine_s, stack_tokens / stack_s
+    print(f"{len(prompts)} requests, {sum(output_lens)} output tokens, concurrency {args.max_concurrency}"
+          + (f", {args.repeats} pairs" if args.repeats > 1 else ""), file=sys.stderr)
+    llm = LLM(config)
+    llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    pairs = []
+    with running_stack(config, _engine_argv(config)) as base_url:
+        for _ in range(args.repeats):
+            engine = run_in_process(llm, prompts, output_lens)
+            gc.collect()
+            *stack, failed = asyncio.run(_stream_all(base_url, "bench", prompts, output_lens, args.max_concurrency))
+            pairs.append(Pair(engine, tuple(stack), failed))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
-    print(f"{'engine in-process':<26}{engine_tokens:>8}{engine_s:>9.2f}{engine_tps:>9.1f}{engine_tpot * 1e3:>9.2f}")
-    print(f"{'gateway, streamed':<26}{stack_tokens:>8}{stack_s:>9.2f}{stack_tps:>9.1f}{stack_tpot * 1e3:>9.2f}")
-    print(f"gateway / engine: {stack_tps / engine_tps:.2f}x tok/s, "
-          f"{stack_tpot / engine_tpot if engine_tpot else float('nan'):.2f}x TPOT "
-          f"(+{(stack_tpot - engine_tpot) * 1e3:.2f} ms per token)" + (f"  ({failed} requests failed)" if failed else ""))
+    for k, pair in enumerate(pairs):
+        suffix = f" #{k + 1}" if len(pairs) > 1 else ""
+        for name, (tokens, seconds, tpot) in ((f"engine in-process{suffix}", pair.engine),
+                                              (f"gateway, streamed{suffix}", pair.stack)):
+            print(f"{name:<26}{tokens:>8}{seconds:>9.2f}{tokens / seconds:>9.1f}{tpot * 1e3:>9.2f}")
+    throughput = statistics.median(p.throughput_ratio for p in pairs)
+    tpot = statistics.median(p.tpot_ratio for p in pairs)
+    added_ms = statistics.median((p.stack[2] - p.engine[2]) * 1e3 for p in pairs)
+    failed = sum(p.failed for p in pairs)
+    label = f"median of {len(pairs)} pairs" if len(pairs) > 1 else "gateway / engine"
+    print(f"{label}: {throughput:.2f}x tok/s, {tpot:.2f}x TPOT (+{added_ms:.2f} ms per token)"
+          + (f"  ({failed} requests failed)" if failed else ""))
     return 1 if failed else 0

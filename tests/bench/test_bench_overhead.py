@@ -1,0 +1,29 @@
+"""`strata bench overhead` end to end on a tiny random model: the same requests in-process and
+through a real stack, every pair of runs printed, and the median of the pairs' ratios."""
+
+import re
+
+import pytest
+
+from services.bench.overhead import main
+
+
+@pytest.mark.slow
+def test_pairs_alternate_and_the_median_ratio_is_reported(capsys):
+    rc = main(["--shape", "tiny", "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "16",
+               "--output-len", "8", "--range-ratio", "0", "--repeats", "2", "--enforce-eager",
+               "--num-kv-blocks", "64", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = re.findall(r"^(engine in-process|gateway, streamed) #(\d)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                      out, re.MULTILINE)
+    assert [(name, k) for name, k, *_ in rows] == [("engine in-process", "1"), ("gateway, streamed", "1"),
+                                                   ("engine in-process", "2"), ("gateway, streamed", "2")]
+    assert all(int(tokens) == 4 * 8 and float(tpot) > 0 for *_, tokens, _, _, tpot in rows)
+    (throughput, tpot), = re.findall(r"^median of 2 pairs: ([\d.]+)x tok/s, ([\d.]+)x TPOT", out, re.MULTILINE)
+    assert float(throughput) > 0 and float(tpot) > 0
+
+
+def test_repeats_below_one_are_refused():
+    with pytest.raises(SystemExit, match="--repeats 0"):
+        main(["--shape", "tiny", "--repeats", "0"])
