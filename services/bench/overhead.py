@@ -11,7 +11,9 @@ ignored, greedy).
 
 On a machine whose speed drifts (a shared VM: 20-40% between runs minutes apart), `--repeats N`
 runs the pair N times, in-process then stack each time, with the engine loaded and the stack
-started once; it prints every pair and the median of the pairs' ratios, the figure to quote.
+started once; it prints every pair and the median of the pairs' ratios, the figure to quote. Pair k
+draws its requests with seed `--workload-seed` + k: both engines' prefix caches still hold the
+earlier pairs' prompts, which the same requests again would find there.
 """
 
 import argparse
@@ -52,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(args.workload_seed)
+def make_workload(args, vocab_size: int, pair: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.workload_seed + pair)
 
     def length(mean: int) -> int:
         return rng.randint(max(1, int(mean * (1 - args.range_ratio))), max(1, int(mean * (1 + args.range_ratio))))
@@ -95,7 +97,8 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens,
                                temperature=0.0)
     requests = [BenchRequest(prompt_len=len(p), output_len=n, prompt=p) for p, n in zip(prompts, output_lens)]
     async with open_session(600) as session:
-        await send_all(session, settings, requests[:2], RunPlan(max_concurrency=2))  # warm-up
+        warm_up = [BenchRequest(prompt_len=8, output_len=2, prompt=[1] * 8)] * 2  # not a measured prompt: no
+        await send_all(session, settings, warm_up, RunPlan(max_concurrency=2))   # cache hit for the stack alone
         outputs, seconds = await send_all(session, settings, requests, RunPlan(max_concurrency=concurrency))
     done = [o for o in outputs if o.success]
     tpots = [o.tpot for o in done if o.output_tokens > 1]
@@ -167,14 +170,15 @@ def _run(args) -> int:
     if args.repeats < 1:
         raise SystemExit(f"strata bench overhead: --repeats {args.repeats} must be at least 1")
     config = config_from_args(args)
-    prompts, output_lens = make_workload(args, load_model_config(config.model).vocab_size)
-    print(f"{len(prompts)} requests, {sum(output_lens)} output tokens, concurrency {args.max_concurrency}"
-          + (f", {args.repeats} pairs" if args.repeats > 1 else ""), file=sys.stderr)
+    vocab_size = load_model_config(config.model).vocab_size
+    workloads = [make_workload(args, vocab_size, pair) for pair in range(args.repeats)]
+    print(f"{args.num_prompts} requests, {sum(workloads[0][1])} output tokens, concurrency {args.max_concurrency}"
+          + (f", {args.repeats} pairs, new requests each" if args.repeats > 1 else ""), file=sys.stderr)
     llm = LLM(config)
-    llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    llm.generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     pairs = []
     with running_stack(config, _engine_argv(config)) as base_url:
-        for _ in range(args.repeats):
+        for prompts, output_lens in workloads:
             engine = run_in_process(llm, prompts, output_lens)
             gc.collect()
             *stack, failed = asyncio.run(_stream_all(base_url, "bench", prompts, output_lens, args.max_concurrency))

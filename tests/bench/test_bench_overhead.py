@@ -27,3 +27,12 @@ def test_pairs_alternate_and_the_median_ratio_is_reported(capsys):
 def test_repeats_below_one_are_refused():
     with pytest.raises(SystemExit, match="--repeats 0"):
         main(["--shape", "tiny", "--repeats", "0"])
+
+
+def test_each_pair_draws_new_requests_that_no_prefix_cache_holds_yet():
+    from services.bench.overhead import build_parser, make_workload
+
+    args = build_parser().parse_args(["--num-prompts", "8", "--input-len", "32"])
+    first, again, second = make_workload(args, 4096, 0), make_workload(args, 4096, 0), make_workload(args, 4096, 1)
+    assert first == again  # a pair's two runs see the same requests
+    assert not {tuple(p[:16]) for p in first[0]} & {tuple(p[:16]) for p in second[0]}  # no shared first block
