@@ -14,11 +14,15 @@ runs the pair N times, in-process then stack each time, with the engine loaded a
 started once; it prints every pair and the median of the pairs' ratios, the figure to quote. Pair k
 draws its requests with seed `--workload-seed` + k: both engines' prefix caches still hold the
 earlier pairs' prompts, which the same requests again would find there.
+
+Where the stack's time goes: the CPU each of its processes (engine, gateway, tokenizer) spent per
+generated token during the stack runs, from /proc (Linux), median over the pairs.
 """
 
 import argparse
 import asyncio
 import gc
+import os
 import random
 import statistics
 import sys
@@ -108,7 +112,7 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens,
 
 @contextmanager
 def running_stack(config, engine_argv: list[str]):
-    """`strata up` on ``config``'s model with ``engine_argv``, on loopback; yields its base URL."""
+    """`strata up` on ``config``'s model with ``engine_argv``, on loopback; yields the `Stack`."""
     from services.launcher import Stack, StackConfig, find_free_port
 
     with tempfile.TemporaryDirectory() as logs:
@@ -116,7 +120,20 @@ def running_stack(config, engine_argv: list[str]):
                                    engine_args=engine_argv, gateway_args=["--log-level", "warning"],
                                    log_dir=Path(logs), echo_logs=False)
         with Stack(stack_config) as stack:
-            yield stack.base_url
+            yield stack
+
+
+def cpu_seconds(stack) -> dict[str, float]:
+    """User + system CPU seconds so far of each of the stack's processes, all threads; {} off Linux."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    seconds = {}
+    for service in stack.services:
+        try:
+            fields = Path(f"/proc/{service.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        seconds[service.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return seconds
 
 
 def _engine_argv(config) -> list[str]:
@@ -147,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class Pair:
-    """One in-process run and one stack run of the same requests: (tokens, seconds, median TPOT) each."""
+    """One in-process run and one stack run of the same requests: (tokens, seconds, median TPOT) each,
+    and the CPU seconds each stack process spent in the stack run."""
     engine: tuple[int, float, float]
     stack: tuple[int, float, float]
     failed: int
+    stack_cpu_s: dict[str, float]
 
     @property
     def throughput_ratio(self) -> float:
@@ -177,12 +196,16 @@ def _run(args) -> int:
     llm = LLM(config)
     llm.generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     pairs = []
-    with running_stack(config, _engine_argv(config)) as base_url:
+    with running_stack(config, _engine_argv(config)) as running:
         for prompts, output_lens in workloads:
             engine = run_in_process(llm, prompts, output_lens)
             gc.collect()
-            *stack, failed = asyncio.run(_stream_all(base_url, "bench", prompts, output_lens, args.max_concurrency))
-            pairs.append(Pair(engine, tuple(stack), failed))
+            before = cpu_seconds(running)
+            *stack, failed = asyncio.run(_stream_all(running.base_url, "bench", prompts, output_lens,
+                                                     args.max_concurrency))
+            after = cpu_seconds(running)
+            pairs.append(Pair(engine, tuple(stack), failed,
+                              {name: after[name] - before[name] for name in before.keys() & after.keys()}))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
     for k, pair in enumerate(pairs):
@@ -197,4 +220,10 @@ def _run(args) -> int:
     label = f"median of {len(pairs)} pairs" if len(pairs) > 1 else "gateway / engine"
     print(f"{label}: {throughput:.2f}x tok/s, {tpot:.2f}x TPOT (+{added_ms:.2f} ms per token)"
           + (f"  ({failed} requests failed)" if failed else ""))
+    names = [name for name in pairs[0].stack_cpu_s if name != "nats" and all(name in p.stack_cpu_s for p in pairs)]
+    if names:
+        per_token = {name: statistics.median(p.stack_cpu_s[name] / max(p.stack[0], 1) * 1e3 for p in pairs)
+                     for name in names}
+        print("stack CPU per output token: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in per_token.items())
+              + f" (sum {sum(per_token.values()):.3f} ms)")
     return 1 if failed else 0

@@ -1,5 +1,6 @@
 """`strata bench overhead` end to end on a tiny random model: the same requests in-process and
-through a real stack, every pair of runs printed, and the median of the pairs' ratios."""
+through a real stack, every pair of runs printed, the median of the pairs' ratios, and the CPU each
+stack process spent per token."""
 
 import re
 
@@ -22,6 +23,10 @@ def test_pairs_alternate_and_the_median_ratio_is_reported(capsys):
     assert all(int(tokens) == 4 * 8 and float(tpot) > 0 for *_, tokens, _, _, tpot in rows)
     (throughput, tpot), = re.findall(r"^median of 2 pairs: ([\d.]+)x tok/s, ([\d.]+)x TPOT", out, re.MULTILINE)
     assert float(throughput) > 0 and float(tpot) > 0
+    (cpu,) = re.findall(r"^stack CPU per output token: (.*) \(sum", out, re.MULTILINE)
+    per_process = dict(re.findall(r"(\w+) ([\d.]+) ms", cpu))
+    assert set(per_process) == {"tokenizer", "engine", "gateway"}, cpu
+    assert float(per_process["engine"]) > 0  # the engine computed every token
 
 
 def test_repeats_below_one_are_refused():
