@@ -72,18 +72,14 @@ def test_every_dashboard_query_names_metrics_its_job_exports():
 
 
 def labels_of(registry, name: str) -> set[str]:
-    """The label names of the series ``name`` (``le`` for a histogram's buckets)."""
+    """The label names of the series ``name`` as its metric declares them (``le`` too for a histogram's
+    buckets); prometheus-client keeps them on the metric object, labelled or not yet."""
     for family in registry.collect():
-        if name in {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))}:
-            labels = {"le"} if name.endswith("_bucket") else set()
-            return labels | set(family.samples[0].labels if family.samples else ()) | set(_declared(registry, family))
+        suffixes = SUFFIXES.get(family.type, ("",))
+        if name in {family.name + suffix for suffix in suffixes}:
+            metric = registry._names_to_collectors[family.name + suffixes[0]]
+            return set(metric._labelnames) | ({"le"} if name.endswith("_bucket") else set())
     return set()
-
-
-def _declared(registry, family) -> tuple[str, ...]:
-    collector = registry._names_to_collectors.get(family.name) or registry._names_to_collectors.get(
-        family.name + "_total")
-    return tuple(getattr(collector, "_labelnames", ()))
 
 
 def test_every_label_a_panel_groups_or_names_by_is_on_its_metrics():
