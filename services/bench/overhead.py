@@ -31,6 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from services.bench.checkpoints import SHAPES, write_random_llama
 
@@ -68,9 +69,16 @@ def make_workload(args, vocab_size: int, pair: int = 0) -> tuple[list[list[int]]
     return prompts, [length(args.output_len) for _ in prompts]
 
 
-def run_in_process(llm, prompts, output_lens) -> tuple[int, float, float]:
-    """Output tokens, seconds, and the median TPOT over requests (as a streaming client sees it:
-    from each request's first token to its last), on ``llm`` (an `LLM`, warmed up)."""
+class Run(NamedTuple):
+    """One run of the requests: output tokens, seconds, and the median TPOT over requests (as a
+    streaming client sees it: from each request's first token to its last)."""
+    tokens: int
+    seconds: float
+    tpot: float
+
+
+def run_in_process(llm, prompts, output_lens) -> Run:
+    """The requests on ``llm`` (an `LLM`, warmed up)."""
     from services.engine.sampling_params import SamplingParams
 
     core = llm.core
@@ -88,11 +96,12 @@ def run_in_process(llm, prompts, output_lens) -> tuple[int, float, float]:
                 num_tokens[output.request_id] = num_tokens.get(output.request_id, 0) + len(output.new_token_ids)
     seconds = time.perf_counter() - started
     tpots = [(last_at[r] - first_at[r]) / (n - 1) for r, n in num_tokens.items() if n > 1]
-    return sum(num_tokens.values()), seconds, statistics.median(tpots) if tpots else 0.0
+    return Run(sum(num_tokens.values()), seconds, statistics.median(tpots) if tpots else 0.0)
 
 
 async def _stream_all(base_url: str, model: str, prompts, output_lens,
-                      concurrency: int) -> tuple[int, float, float, int]:
+                      concurrency: int) -> tuple[Run, int]:
+    """The requests streamed through the gateway, and how many failed."""
     from services.bench.client import RequestSettings, open_session
     from services.bench.datasets import BenchRequest
     from services.bench.runner import RunPlan, send_all
@@ -106,7 +115,7 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens,
         outputs, seconds = await send_all(session, settings, requests, RunPlan(max_concurrency=concurrency))
     done = [o for o in outputs if o.success]
     tpots = [o.tpot for o in done if o.output_tokens > 1]
-    return (sum(o.output_tokens for o in done), seconds, statistics.median(tpots) if tpots else 0.0,
+    return (Run(sum(o.output_tokens for o in done), seconds, statistics.median(tpots) if tpots else 0.0),
             len(outputs) - len(done))
 
 
@@ -164,20 +173,20 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass(frozen=True)
 class Pair:
-    """One in-process run and one stack run of the same requests: (tokens, seconds, median TPOT) each,
-    and the CPU seconds each stack process spent in the stack run."""
-    engine: tuple[int, float, float]
-    stack: tuple[int, float, float]
+    """One in-process run and one stack run of the same requests, and the CPU seconds each stack
+    process spent in the stack run."""
+    engine: Run
+    stack: Run
     failed: int
     stack_cpu_s: dict[str, float]
 
     @property
     def throughput_ratio(self) -> float:
-        return (self.stack[0] / self.stack[1]) / (self.engine[0] / self.engine[1])
+        return (self.stack.tokens / self.stack.seconds) / (self.engine.tokens / self.engine.seconds)
 
     @property
     def tpot_ratio(self) -> float:
-        return self.stack[2] / self.engine[2] if self.engine[2] else float("nan")
+        return self.stack.tpot / self.engine.tpot if self.engine.tpot else float("nan")
 
 
 def _run(args) -> int:
@@ -201,10 +210,10 @@ def _run(args) -> int:
             engine = run_in_process(llm, prompts, output_lens)
             gc.collect()
             before = cpu_seconds(running)
-            *stack, failed = asyncio.run(_stream_all(running.base_url, "bench", prompts, output_lens,
-                                                     args.max_concurrency))
+            stack, failed = asyncio.run(_stream_all(running.base_url, "bench", prompts, output_lens,
+                                                    args.max_concurrency))
             after = cpu_seconds(running)
-            pairs.append(Pair(engine, tuple(stack), failed,
+            pairs.append(Pair(engine, stack, failed,
                               {name: after[name] - before[name] for name in before.keys() & after.keys()}))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
@@ -215,14 +224,14 @@ def _run(args) -> int:
             print(f"{name:<26}{tokens:>8}{seconds:>9.2f}{tokens / seconds:>9.1f}{tpot * 1e3:>9.2f}")
     throughput = statistics.median(p.throughput_ratio for p in pairs)
     tpot = statistics.median(p.tpot_ratio for p in pairs)
-    added_ms = statistics.median((p.stack[2] - p.engine[2]) * 1e3 for p in pairs)
+    added_ms = statistics.median((p.stack.tpot - p.engine.tpot) * 1e3 for p in pairs)
     failed = sum(p.failed for p in pairs)
     label = f"median of {len(pairs)} pairs" if len(pairs) > 1 else "gateway / engine"
     print(f"{label}: {throughput:.2f}x tok/s, {tpot:.2f}x TPOT (+{added_ms:.2f} ms per token)"
           + (f"  ({failed} requests failed)" if failed else ""))
     names = [name for name in pairs[0].stack_cpu_s if name != "nats" and all(name in p.stack_cpu_s for p in pairs)]
     if names:
-        per_token = {name: statistics.median(p.stack_cpu_s[name] / max(p.stack[0], 1) * 1e3 for p in pairs)
+        per_token = {name: statistics.median(p.stack_cpu_s[name] / max(p.stack.tokens, 1) * 1e3 for p in pairs)
                      for name in names}
         print("stack CPU per output token: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in per_token.items())
               + f" (sum {sum(per_token.values()):.3f} ms)")
