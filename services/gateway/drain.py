@@ -18,7 +18,9 @@ class Drain:
     def __init__(self) -> None:
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, set when it starts
-        self._deadline_passed: asyncio.Event | None = None
+        self._deadline_passed = False
+        self._racing: set[asyncio.Task] = set()  # tasks in race() now
+        self._cut: set[asyncio.Task] = set()  # of those, the ones the deadline cancelled
 
     def begin_threadsafe(self, timeout_s: float) -> None:
         """From a signal handler or any thread: drain from now for ``timeout_s``."""
@@ -27,27 +29,37 @@ class Drain:
             self.loop.call_soon_threadsafe(self._begin, timeout_s)
 
     def _begin(self, timeout_s: float) -> None:
-        if self._deadline_passed is None or not self._deadline_passed.is_set():
-            asyncio.get_running_loop().call_later(timeout_s, self._deadline().set)
+        if not self._deadline_passed:
+            asyncio.get_running_loop().call_later(timeout_s, self._pass_deadline)
 
-    def _deadline(self) -> asyncio.Event:
-        if self._deadline_passed is None:
-            self._deadline_passed = asyncio.Event()
-        return self._deadline_passed
+    def _pass_deadline(self) -> None:
+        self._deadline_passed = True
+        for task in self._racing:
+            self._cut.add(task)
+            task.cancel()
 
     async def race(self, awaitable: Awaitable[T]) -> T:
-        """``awaitable``'s result, unless the drain's deadline passes first (then OpenAIError 503).
-        Cancelled (the client left mid-stream), it cancels ``awaitable`` too: a task left pending
-        would be garbage-collected so ("Task was destroyed but it is pending!")."""
-        task = asyncio.ensure_future(awaitable)
-        deadline = asyncio.ensure_future(self._deadline().wait())
+        """``awaitable``'s result, unless the drain's deadline passes first (then OpenAIError 503,
+        ``awaitable`` cancelled). Awaited in the caller's own task, with nothing made per call: a
+        stream awaits its every step so. The deadline cancels the tasks racing then, and each turns
+        its cancellation into the 503; a cancellation from elsewhere (the client left) stays one."""
+        task = asyncio.current_task()
+        if self._deadline_passed:
+            asyncio.ensure_future(awaitable).cancel()
+            raise _past_deadline()
+        self._racing.add(task)
         try:
-            await asyncio.wait({task, deadline}, return_when=asyncio.FIRST_COMPLETED)
+            return await awaitable
+        except asyncio.CancelledError:
+            if task not in self._cut:
+                raise
+            self._cut.discard(task)
+            task.uncancel()
+            raise _past_deadline() from None
         finally:
-            deadline.cancel()
-            if not task.done():
-                task.cancel()
-        if task.done():
-            return task.result()
-        raise OpenAIError("The server is shutting down and this stream ran past its drain timeout "
-                          "(--shutdown-timeout); the output is incomplete.", 503, code="shutting_down")
+            self._racing.discard(task)
+
+
+def _past_deadline() -> OpenAIError:
+    return OpenAIError("The server is shutting down and this stream ran past its drain timeout "
+                       "(--shutdown-timeout); the output is incomplete.", 503, code="shutting_down")
