@@ -179,6 +179,8 @@ class Pair:
     stack: Run
     failed: int
     stack_cpu_s: dict[str, float]
+    engine_cpu_s: float  # this process's CPU seconds in the in-process run
+    client_cpu_s: float  # this process's CPU seconds in the stack run: the clients
 
     @property
     def throughput_ratio(self) -> float:
@@ -207,14 +209,17 @@ def _run(args) -> int:
     pairs = []
     with running_stack(config, _engine_argv(config)) as running:
         for prompts, output_lens in workloads:
+            started_cpu = time.process_time()
             engine = run_in_process(llm, prompts, output_lens)
+            engine_cpu_s = time.process_time() - started_cpu
             gc.collect()
-            before = cpu_seconds(running)
+            before, started_cpu = cpu_seconds(running), time.process_time()
             stack, failed = asyncio.run(_stream_all(running.base_url, "bench", prompts, output_lens,
                                                     args.max_concurrency))
-            after = cpu_seconds(running)
+            after, client_cpu_s = cpu_seconds(running), time.process_time() - started_cpu
             pairs.append(Pair(engine, stack, failed,
-                              {name: after[name] - before[name] for name in before.keys() & after.keys()}))
+                              {name: after[name] - before[name] for name in before.keys() & after.keys()},
+                              engine_cpu_s, client_cpu_s))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
     for k, pair in enumerate(pairs):
@@ -230,9 +235,13 @@ def _run(args) -> int:
     print(f"{label}: {throughput:.2f}x tok/s, {tpot:.2f}x TPOT (+{added_ms:.2f} ms per token)"
           + (f"  ({failed} requests failed)" if failed else ""))
     names = [name for name in pairs[0].stack_cpu_s if name != "nats" and all(name in p.stack_cpu_s for p in pairs)]
+    def median_ms(cpu: str, run: str) -> float:
+        return statistics.median(getattr(p, cpu) / max(getattr(p, run).tokens, 1) * 1e3 for p in pairs)
+
     if names:
         per_token = {name: statistics.median(p.stack_cpu_s[name] / max(p.stack.tokens, 1) * 1e3 for p in pairs)
                      for name in names}
         print("stack CPU per output token: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in per_token.items())
-              + f" (sum {sum(per_token.values()):.3f} ms)")
+              + f" (sum {sum(per_token.values()):.3f} ms); clients {median_ms('client_cpu_s', 'stack'):.3f} ms; "
+              f"in-process engine {median_ms('engine_cpu_s', 'engine'):.3f} ms")
     return 1 if failed else 0

@@ -23,6 +23,7 @@ from services.common.tls import TlsFiles
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
+from services.engine.generate_many import generate_many
 from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import EngineEvents
 from services.engine.protocol import load_report, output_to_proto, sampling_params_from_proto
@@ -74,6 +75,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                      "strata.inference_time_s": times.inference_s})
             yield output_to_proto(output, self.config.replica_id)
 
+    async def GenerateMany(self, request_iterator, context):
+        async for response in generate_many(self._ready_engine, self.config.replica_id, request_iterator):
+            yield response
+
     async def Info(self, request: engine_pb2.EngineInfoRequest, context) -> engine_pb2.EngineInfoResponse:
         if self.engine is None:
             raise ServiceUnavailableError("the engine is still loading the model")
@@ -84,6 +89,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             replica_id=self.config.replica_id, max_num_seqs=self.config.max_num_seqs,
             dtype=str(core.model_runner.dtype).removeprefix("torch."), device=self.config.device,
             prefix_caching=self.config.enable_prefix_caching, max_logprobs=self.config.max_logprobs,
+            generate_many=True,
         )
 
     async def Load(self, request: engine_pb2.LoadRequest, context) -> engine_pb2.LoadReport:

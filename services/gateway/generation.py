@@ -1,5 +1,6 @@
-"""One request's choices: n Generate streams per prompt, each detokenized through its own
-Detokenize stream and cut at stop strings, merged into one stream of ``Step``s.
+"""One request's choices: n Generate streams per prompt, each detokenized by the tokenizer (on the
+gateway's shared DetokenizeMany stream, or a Detokenize stream of its own when the request is traced)
+and cut at stop strings, merged into one stream of ``Step``s.
 
 Contract: every choice yields steps until exactly one step with a ``finish_reason``. Cancelling
 (``FanOut.cancel()``, a client disconnect, or a stop string) cancels that choice's Generate call,
@@ -15,6 +16,7 @@ from opentelemetry import trace
 
 from services.common.pb import engine_pb2, tokenizer_pb2
 from services.gateway import errors, genai_span
+from services.gateway.shared_stream import in_sampled_trace
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.upstream import Upstream
 from services.gateway.validation import GenerationParams
@@ -70,15 +72,23 @@ def plan_choices(request_id: str, prompts: list[list[int]], max_tokens: list[int
     return specs
 
 
+def _open_detokenizer(upstream: Upstream, prompt_ids: list[int], skip_special_tokens: bool):
+    """A traced request's own Detokenize stream; else a generation on the gateway's shared stream
+    (`shared_detokenize`), with the same interface."""
+    prefix_ids = prompt_ids[-_DETOKENIZE_PREFIX_IDS:]
+    if in_sampled_trace():
+        return _Detokenizer(upstream, prefix_ids, skip_special_tokens)
+    return upstream.shared_detokenize.open(prefix_ids, skip_special_tokens)
+
+
 class _Detokenizer:
     """One Detokenize bidi stream: ids in, text deltas out, one reply per write, in order. A write
     need not wait for the previous reply: one task may write while another reads."""
 
-    def __init__(self, upstream: Upstream, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(self, upstream: Upstream, prefix_ids: list[int], skip_special_tokens: bool) -> None:
         self._call = upstream.detokenize()
-        self._first = tokenizer_pb2.DetokenizeRequest(
-            skip_special_tokens=skip_special_tokens,
-            prefix_token_ids=prompt_ids[-_DETOKENIZE_PREFIX_IDS:])
+        self._first = tokenizer_pb2.DetokenizeRequest(skip_special_tokens=skip_special_tokens,
+                                                      prefix_token_ids=prefix_ids)
         self._opened = False
 
     async def write(self, token_ids) -> bool:
@@ -117,7 +127,7 @@ class _Detokenizer:
 _END_OF_OUTPUTS = object()
 
 
-async def _feed(generate, detokenizer: _Detokenizer, outputs: asyncio.Queue) -> None:
+async def _feed(generate, detokenizer, outputs: asyncio.Queue) -> None:
     """Reads the engine's outputs and sends each one's ids to the tokenizer at once, so that its
     round trip overlaps the next step instead of following it. Queues ``(output, has_reply)`` in
     order until the one with a finish reason; else ``_END_OF_OUTPUTS``, or the error that stopped it."""
@@ -140,7 +150,7 @@ async def _feed(generate, detokenizer: _Detokenizer, outputs: asyncio.Queue) -> 
 async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
                      eos_token_ids: frozenset[int]) -> AsyncIterator[Step]:
     generate = upstream.generate(spec.request)
-    detokenizer = _Detokenizer(upstream, spec.prompt_ids, params.skip_special_tokens)
+    detokenizer = _open_detokenizer(upstream, spec.prompt_ids, params.skip_special_tokens)
     outputs: asyncio.Queue = asyncio.Queue()
     feeder = asyncio.create_task(_feed(generate, detokenizer, outputs))
     matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)

@@ -17,6 +17,9 @@ from services.common import client_span
 from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.tls import TlsFiles, aio_channel
 from services.gateway import errors
+from services.gateway.shared_detokenize import SharedDetokenize
+from services.gateway.shared_generate import SharedGenerate
+from services.gateway.shared_stream import in_sampled_trace
 from services.gateway.validation import ModelFacts
 
 MAX_MESSAGE_BYTES = 64 << 20  # the tokenizer's and the engine's servers accept as much
@@ -45,9 +48,16 @@ class Upstream:
         self._facts: ModelFacts | None = None
         self._token_texts: dict[int, str] = {}
         self._decode_slots = asyncio.Semaphore(_MAX_CONCURRENT_DECODES)
+        self.shared_detokenize = SharedDetokenize(lambda: self.tokenizer.DetokenizeMany())
+        self._shared_generate = SharedGenerate(lambda: self.engine.GenerateMany())
 
     def generate(self, request: engine_pb2.GenerateRequest):
-        """The engine's Generate stream for ``request``."""
+        """The engine's outputs for ``request``: on the shared GenerateMany stream when the engine
+        answers it, the request is not traced and its id is not running there already (the engine
+        refuses a second, on a stream of its own); else on a Generate stream of its own."""
+        if (self._facts is not None and self._facts.generate_many and not in_sampled_trace()
+                and not self._shared_generate.running(request.request_id)):
+            return self._shared_generate.generate(request)
         return client_span.call(_ENGINE + "Generate", self._addresses["engine"], lambda metadata: self.engine.Generate(
             request, timeout=self.generate_timeout_s, metadata=metadata))
 
@@ -58,6 +68,8 @@ class Upstream:
                                                                            metadata=metadata))
 
     async def close(self) -> None:
+        self.shared_detokenize.close()
+        self._shared_generate.close()
         await asyncio.gather(self._tokenizer_channel.close(), self._engine_channel.close())
 
     async def facts(self) -> ModelFacts:
@@ -69,7 +81,8 @@ class Upstream:
             self._facts = ModelFacts(
                 name=self._served_model_name or engine_info.model,
                 max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
-                eos_token_ids=frozenset(tokenizer_info.eos_token_ids))
+                eos_token_ids=frozenset(tokenizer_info.eos_token_ids),
+                generate_many=engine_info.generate_many)
         return self._facts
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -32,6 +32,7 @@ class ModelFacts:
     name: str
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
+    generate_many: bool = False  # the engine answers GenerateMany (a router does not)
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         info = engine_pb2.EngineInfoResponse()
         info.CopyFrom(known[0].info)
         info.replica_id = self.router_id
+        info.generate_many = False  # Generate only: each request is placed and relayed on its own
         info.num_kv_blocks = sum(r.info.num_kv_blocks for r in known)
         info.max_num_seqs = sum(r.info.max_num_seqs for r in known)
         return info

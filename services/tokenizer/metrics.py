@@ -27,7 +27,8 @@ class TokenizerMetrics:
         self.tokens = Counter("strata:tokenizer_tokens", "Token ids produced (direction=encoded: Encode and "
                               "EncodeChat) or turned into text (direction=decoded: Decode and Detokenize).",
                               ["direction"], registry=self.registry)
-        self.detokenize_streams = Gauge("strata:tokenizer_detokenize_streams", "Detokenize streams open now.",
+        self.detokenize_streams = Gauge("strata:tokenizer_detokenize_streams", "Generations being detokenized now "
+                                        "(Detokenize streams and DetokenizeMany generations).",
                                         registry=self.registry)
 
     @contextmanager

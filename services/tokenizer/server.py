@@ -3,7 +3,9 @@
 Errors are raised, never caught here: `services.common.grpc_server` maps them to status codes.
 Detokenize answers each request message with one response (its delta may be empty while a
 character is unfinished); when the client closes its side, one last response carries whatever
-text was still held back.
+text was still held back. DetokenizeMany does the same for many generations over one stream: one
+response per request message, one delta per item; an item with ``end`` also carries what its
+generation still held back, and closes it.
 """
 
 import asyncio
@@ -20,6 +22,7 @@ from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.tls import TlsFiles
 from services.tokenizer.chat_template import DEFAULT_TEMPLATE_LIMITS
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
+from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.template_budget import MAX_REQUEST_TEMPLATE_CHARS, TemplateLimits
 
@@ -101,6 +104,38 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                                                                num_token_ids=detokenizer.num_emitted_ids)
         finally:
             self.metrics.detokenize_streams.dec()
+
+    async def DetokenizeMany(self, request_iterator, context) -> AsyncIterator[tokenizer_pb2.DetokenizeManyResponse]:
+        decoded = self.metrics.tokens.labels("decoded")
+        generations: dict[int, IncrementalDetokenizer] = {}
+        try:
+            with self.metrics.answering("DetokenizeMany", timed=False):
+                async for request in request_iterator:
+                    response = tokenizer_pb2.DetokenizeManyResponse()
+                    for item in request.items:
+                        detokenizer = generations.get(item.generation_id)
+                        if detokenizer is None:
+                            detokenizer = self._tokenizer.detokenizer(item.skip_special_tokens,
+                                                                      list(item.prefix_token_ids))
+                            generations[item.generation_id] = detokenizer
+                            self.metrics.detokenize_streams.inc()
+                        try:
+                            delta = detokenizer.step(list(item.token_ids))
+                            if item.end:
+                                delta += detokenizer.flush()
+                        except Exception as exc:  # this generation's fault: the others go on
+                            response.deltas.add(error=str(exc) or type(exc).__name__)
+                            del generations[item.generation_id]
+                            self.metrics.detokenize_streams.dec()
+                            continue
+                        decoded.inc(len(item.token_ids))
+                        if item.end:
+                            del generations[item.generation_id]
+                            self.metrics.detokenize_streams.dec()
+                        response.deltas.add(text_delta=delta, num_token_ids=detokenizer.num_emitted_ids)
+                    yield response
+        finally:
+            self.metrics.detokenize_streams.dec(len(generations))
 
     async def Info(self, request, context) -> tokenizer_pb2.TokenizerInfoResponse:
         tokenizer = self._tokenizer

@@ -1,8 +1,10 @@
 """The engine's gRPC service as a real process on loopback: health, reflection, streaming,
 errors as status codes, cancellation freeing KV blocks, and draining on SIGTERM."""
 
+import collections
 import itertools
 import os
+import queue
 import signal
 
 import grpc
@@ -101,6 +103,69 @@ def test_cancelled_streams_free_their_blocks(engine):
         return loads[-1].num_running == loads[-1].num_waiting == loads[-1].num_kv_blocks_used == 0
 
     wait_until(idle, what=lambda: f"the cancelled requests still hold the engine: {loads[-1]}")
+
+
+class _ManyCall:
+    """A GenerateMany call whose request messages a test sends one by one; outputs by request id."""
+
+    def __init__(self, stub) -> None:
+        self._messages: queue.Queue = queue.Queue()
+        self._call = stub.GenerateMany(iter(self._messages.get, None), timeout=60)
+        self.outputs: dict[str, list] = collections.defaultdict(list)
+
+    def send(self, requests=(), aborts=()) -> None:
+        self._messages.put(engine_pb2.GenerateManyRequest(requests=requests, abort_request_ids=aborts))
+
+    def read_until(self, done) -> None:
+        while not done():
+            for output in next(self._call).outputs:
+                self.outputs[output.request_id].append(output)
+
+    def close(self) -> list:
+        """Half-closes; returns what came after (the stream ends once its requests have)."""
+        self._messages.put(None)
+        return [output for reply in self._call for output in reply.outputs]
+
+
+def _finished(outputs: list) -> bool:
+    return bool(outputs) and (outputs[-1].HasField("error") or outputs[-1].output.finish_reason != 0)
+
+
+def test_generate_many_serves_requests_as_their_own_generate_streams_would(engine):
+    """Requests started together on one GenerateMany stream get the tokens their own Generate streams
+    get (greedy); a bad request and a duplicate id get the error entry their own stream's status would
+    carry, and the others go on; an aborted request gets nothing more and frees its blocks."""
+    assert engine.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5).generate_many
+    prompts = {f"many-{i}": [3 + i, 9, 27, 81 % 50 + i] for i in range(3)}
+    many = _ManyCall(engine.stub)
+    many.send([generate_request(rid, prompt, 5 + i, temperature=0.0) for i, (rid, prompt) in enumerate(prompts.items())]
+              + [generate_request("many-bad", [1, 2], 4, top_p=1.5), generate_request("many-long", [5] * 40, 1500)])
+    many.read_until(lambda: all(_finished(many.outputs[rid]) for rid in [*prompts, "many-bad"])
+                    and many.outputs["many-long"])
+    many.send([generate_request("many-long", [6, 7], 3)], aborts=[])  # the same id again, while it runs
+    many.read_until(lambda: any(o.HasField("error") for o in many.outputs["many-long"]))
+    many.send(aborts=["many-long"])
+    load = engine.stub.Load(engine_pb2.LoadRequest(), timeout=5)
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        own = list(engine.stub.Generate(generate_request(f"own-{i}", prompt, 5 + i, temperature=0.0), timeout=30))
+        outputs = many.outputs[rid]
+        assert [t for o in outputs for t in o.output.token_ids] == [t for r in own for t in r.token_ids]
+        assert outputs[-1].output.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+        assert outputs[-1].output.usage.completion_tokens == 5 + i
+    bad = many.outputs["many-bad"][-1].error
+    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "top_p" in bad.message
+    duplicate = next(o for o in many.outputs["many-long"] if o.HasField("error")).error
+    assert duplicate.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "already running" in duplicate.message
+    after = many.close()
+    assert not any(o.request_id == "many-long" and o.HasField("output") and o.output.finish_reason for o in after)
+    assert load.num_running >= 1  # the long request ran until its abort
+    loads = []
+
+    def idle() -> bool:
+        loads.append(engine.stub.Load(engine_pb2.LoadRequest(), timeout=5))
+        return loads[-1].num_running == loads[-1].num_waiting == loads[-1].num_kv_blocks_used == 0
+
+    wait_until(idle, what=lambda: f"the aborted request still holds the engine: {loads[-1]}")
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(default_model_dir, tmp_path, free_port):

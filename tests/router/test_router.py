@@ -43,6 +43,7 @@ def test_info_and_load_speak_for_the_fleet(fleet):
     router, _, _ = fleet
     info = router.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5)
     assert info.replica_id == "router-0" and info.num_kv_blocks == 2 * 256 and info.vocab_size == 4096
+    assert not info.generate_many  # its engines answer GenerateMany; the router relays Generate only
     load = router.stub.Load(engine_pb2.LoadRequest(), timeout=5)
     assert load.num_kv_blocks_total == 2 * 256
 

@@ -185,3 +185,54 @@ def test_metrics_count_calls_outcomes_tokens_and_open_streams(default_server):
     assert delta('strata:tokenizer_tokens_total{direction="encoded"}') == len(ids)
     assert delta('strata:tokenizer_tokens_total{direction="decoded"}') == 2 * len(ids)
     assert after["strata:tokenizer_detokenize_streams"] == 0
+
+
+def test_detokenize_many_interleaves_generations_as_their_own_streams_would(default_server, default_model_dir):
+    """Several generations on one DetokenizeMany stream, their ids split differently and interleaved:
+    each one's deltas equal what its own Detokenize stream answers, an item with `end` carries the
+    held-back rest, and an id out of the vocabulary fails only its own generation."""
+    tokenizer = CheckpointTokenizer.from_dir(default_model_dir)
+    rng = random.Random(5)
+    real = tokenizer.encode("中文 café 😀 👨‍👩‍👧‍👦 and <|im_end|> done", False)
+    generations = {}
+    for generation_id in range(1, 7):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 6))] + real[rng.randrange(5):]
+        size = rng.randint(1, 3)
+        generations[generation_id] = ([ids[i:i + size] for i in range(0, len(ids), size)], rng.random() < 0.5,
+                                      real[:rng.randint(0, 4)])
+    messages, order = [], []  # order: per message, the generation of each item
+    pending = {g: list(chunks) for g, (chunks, _, _) in generations.items()}
+    started = set()
+    while pending:
+        message = pb.DetokenizeManyRequest()
+        for g in rng.sample(sorted(pending), rng.randint(1, len(pending))):
+            chunks, skip, prefix = generations[g]
+            item = message.items.add(generation_id=g, end=not pending[g])
+            if pending[g]:
+                item.token_ids.extend(pending[g].pop(0))
+            if g not in started:
+                item.skip_special_tokens, item.prefix_token_ids[:] = skip, prefix
+                started.add(g)
+            if item.end:
+                del pending[g]
+        messages.append(message)
+        order.append([item.generation_id for item in message.items])
+    bad = pb.DetokenizeManyRequest(items=[pb.DetokenizeItem(generation_id=99, token_ids=[10**9]),
+                                          pb.DetokenizeItem(generation_id=98, token_ids=real, end=True)])
+    replies = list(default_server.stub.DetokenizeMany(iter([*messages, bad])))
+
+    assert [len(reply.deltas) for reply in replies] == [len(m.items) for m in messages] + [2]
+    texts = {g: "" for g in generations}
+    for generations_in, reply in zip(order, replies):
+        for g, delta in zip(generations_in, reply.deltas):
+            assert not delta.error
+            texts[g] += delta.text_delta
+    for g, (chunks, skip, prefix) in generations.items():
+        own = list(default_server.stub.Detokenize(iter(
+            [pb.DetokenizeRequest(token_ids=chunks[0] if chunks else [], skip_special_tokens=skip,
+                                  prefix_token_ids=prefix)]
+            + [pb.DetokenizeRequest(token_ids=chunk) for chunk in chunks[1:]])))
+        assert texts[g] == "".join(r.text_delta for r in own)
+    assert "out of range" in replies[-1].deltas[0].error
+    assert replies[-1].deltas[1].text_delta == tokenizer.decode(real, False)
+    assert _tokenizer_metrics(default_server)["strata:tokenizer_detokenize_streams"] == 0

@@ -144,12 +144,48 @@ class GenerateResponse(_message.Message):
     stop_token_id: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("requests", "abort_request_ids")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    abort_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "message", "param", "error_code")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    param: str
+    error_code: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+
+class GenerateManyOutput(_message.Message):
+    __slots__ = ("request_id", "output", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    output: GenerateResponse
+    error: RequestError
+    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[GenerateManyOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[GenerateManyOutput, _Mapping]]] = ...) -> None: ...
+
 class EngineInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "replica_id", "max_num_seqs", "dtype", "device", "prefix_caching", "max_logprobs")
+    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "replica_id", "max_num_seqs", "dtype", "device", "prefix_caching", "max_logprobs", "generate_many")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +197,7 @@ class EngineInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_MANY_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -172,7 +209,8 @@ class EngineInfoResponse(_message.Message):
     device: str
     prefix_caching: bool
     max_logprobs: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., replica_id: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    generate_many: bool
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., replica_id: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., max_logprobs: _Optional[int] = ..., generate_many: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -42,6 +42,11 @@ class EngineStub:
                 request_serializer=strata_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/strata.v1.Engine/GenerateMany',
+                request_serializer=strata_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_engine__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/strata.v1.Engine/Info',
                 request_serializer=strata_dot_v1_dot_engine__pb2.EngineInfoRequest.SerializeToString,
@@ -62,6 +67,16 @@ class EngineServicer:
     def Generate(self, request, context):
         """Runs one request; the stream carries new token ids as they are sampled and ends after the
         output with a finish reason. Cancelling the stream aborts the request and frees its KV blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests over one stream (a gateway's untraced requests): each message starts requests and
+        aborts others; each reply carries outputs of any of them, as Generate streams would, so that one
+        message per engine step serves every request in it instead of one per request and token. A server
+        that answers it says so in Info (generate_many); a router does not (yet).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -88,6 +103,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=strata_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=strata_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=strata_dot_v1_dot_engine__pb2.GenerateManyRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_engine__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -129,6 +149,33 @@ class Engine:
             '/strata.v1.Engine/Generate',
             strata_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             strata_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/strata.v1.Engine/GenerateMany',
+            strata_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+            strata_dot_v1_dot_engine__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,11 @@ class TokenizerStub:
                 request_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.DetokenizeMany = channel.stream_stream(
+                '/strata.v1.Tokenizer/DetokenizeMany',
+                request_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/strata.v1.Tokenizer/Info',
                 request_serializer=strata_dot_v1_dot_tokenizer__pb2.TokenizerInfoRequest.SerializeToString,
@@ -97,6 +102,15 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DetokenizeMany(self, request_iterator, context):
+        """Incremental decoding of many generations over one stream (a gateway's untraced requests): each
+        message carries new ids of any of them, its reply one delta per item, in the items' order.
+        One message per engine step for all streams instead of one per stream and token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Facts about the tokenizer and the checkpoint it belongs to.
         """
@@ -126,6 +140,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.FromString,
                     response_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'DetokenizeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DetokenizeMany,
+                    request_deserializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -243,6 +262,33 @@ class Tokenizer:
             '/strata.v1.Tokenizer/Detokenize',
             strata_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
             strata_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetokenizeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/strata.v1.Tokenizer/DetokenizeMany',
+            strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyRequest.SerializeToString,
+            strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
