@@ -16,7 +16,9 @@ draws its requests with seed `--workload-seed` + k: both engines' prefix caches 
 earlier pairs' prompts, which the same requests again would find there.
 
 Where the stack's time goes: the CPU each of its processes (engine, gateway, tokenizer) spent per
-generated token during the stack runs, from /proc (Linux), median over the pairs.
+generated token during the stack runs, from /proc (Linux), median over the pairs; beside it the
+clients' (this process during the stack runs) and the in-process engine's. On a machine whose cores
+the engine's threads fill, the other processes' CPU is about what the engine's steps lose.
 """
 
 import argparse
@@ -234,10 +236,10 @@ def _run(args) -> int:
     label = f"median of {len(pairs)} pairs" if len(pairs) > 1 else "gateway / engine"
     print(f"{label}: {throughput:.2f}x tok/s, {tpot:.2f}x TPOT (+{added_ms:.2f} ms per token)"
           + (f"  ({failed} requests failed)" if failed else ""))
-    names = [name for name in pairs[0].stack_cpu_s if name != "nats" and all(name in p.stack_cpu_s for p in pairs)]
     def median_ms(cpu: str, run: str) -> float:
         return statistics.median(getattr(p, cpu) / max(getattr(p, run).tokens, 1) * 1e3 for p in pairs)
 
+    names = [name for name in pairs[0].stack_cpu_s if name != "nats" and all(name in p.stack_cpu_s for p in pairs)]
     if names:
         per_token = {name: statistics.median(p.stack_cpu_s[name] / max(p.stack.tokens, 1) * 1e3 for p in pairs)
                      for name in names}

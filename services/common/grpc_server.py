@@ -83,8 +83,8 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
     `trace.get_current_span()`; the request id (``x-request-id`` metadata, else a unary request's own
     ``request_id`` field) is bound for the call (`services.common.request_id`) and set on the span.
     Health and reflection calls are not traced, nor streams shared by many requests (``GenerateMany``,
-    ``DetokenizeMany``: such a stream belongs to no one trace), and the polling RPCs (``Info``, ``Load``: a router's checks every
-    second) only when the caller is inside a trace."""
+    ``DetokenizeMany``: such a stream belongs to no one trace), and the polling RPCs (``Info``,
+    ``Load``: a router's checks every second) only when the caller is inside a trace."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

@@ -20,8 +20,9 @@ class SharedGenerate:
     """Starts requests on the current GenerateMany stream; ``open_call()`` makes a new one's gRPC
     call. Create inside the event loop."""
 
-    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
+    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall], timeout_s: float = 3600.0) -> None:
         self._streams = SharedStreams(lambda: _GenerateStream(open_call()))
+        self.timeout_s = timeout_s  # each request's deadline, as a Generate call's own
 
     def running(self, request_id: str) -> bool:
         """Whether a request of this id runs on the current stream (a second one would be refused)."""
@@ -29,7 +30,7 @@ class SharedGenerate:
         return latest is not None and not latest.stream.closing and request_id in latest.calls
 
     def generate(self, request: engine_pb2.GenerateRequest) -> "SharedGenerateCall":
-        return SharedGenerateCall(self._streams.current(), request)
+        return SharedGenerateCall(self._streams.current(), request, self.timeout_s)
 
     def close(self) -> None:
         self._streams.close()
@@ -70,10 +71,11 @@ class _GenerateStream:
 
 class SharedGenerateCall:
     """One request's outputs (``GenerateResponse``s up to the one with a finish reason), iterated as
-    a Generate call's; an error raises the `OpenAIError` its own stream's status would map to.
-    ``cancel()`` aborts the request in the engine."""
+    a Generate call's; an error raises the `OpenAIError` its own stream's status would map to (past
+    ``timeout_s``, DEADLINE_EXCEEDED's, and the request is aborted). ``cancel()`` aborts the request
+    in the engine."""
 
-    def __init__(self, owner: _GenerateStream, request: engine_pb2.GenerateRequest) -> None:
+    def __init__(self, owner: _GenerateStream, request: engine_pb2.GenerateRequest, timeout_s: float) -> None:
         self._owner = owner
         self._id = request.request_id
         self._outputs: asyncio.Queue = asyncio.Queue()
@@ -81,6 +83,7 @@ class SharedGenerateCall:
         owner.stream.send(request)
         owner.calls[self._id] = self
         owner.stream.join()
+        self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
     def deliver(self, output: engine_pb2.GenerateResponse | errors.OpenAIError) -> None:
         self._outputs.put_nowait(output)
@@ -106,8 +109,17 @@ class SharedGenerateCall:
             self._owner.stream.send(self._id)
         self._end()
 
+    def _expire(self) -> None:
+        if self._done:
+            return
+        if self._owner.stream.error is None:
+            self._owner.stream.send(self._id)
+        self.deliver(errors.from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", "engine",
+                                        lambda: (None, None)))
+
     def _end(self) -> None:
         if not self._done:
             self._done = True
+            self._deadline.cancel()
             self._owner.calls.pop(self._id, None)
             self._owner.stream.leave()

@@ -49,7 +49,7 @@ class Upstream:
         self._token_texts: dict[int, str] = {}
         self._decode_slots = asyncio.Semaphore(_MAX_CONCURRENT_DECODES)
         self.shared_detokenize = SharedDetokenize(lambda: self.tokenizer.DetokenizeMany())
-        self._shared_generate = SharedGenerate(lambda: self.engine.GenerateMany())
+        self._shared_generate = SharedGenerate(lambda: self.engine.GenerateMany(), generate_timeout_s)
 
     def generate(self, request: engine_pb2.GenerateRequest):
         """The engine's outputs for ``request``: on the shared GenerateMany stream when the engine

@@ -166,3 +166,19 @@ def test_generate_many_routes_outputs_by_request_and_maps_errors_as_a_stream_sta
     assert (error.status, error.param) == (400, "top_p")
     assert [list(m.abort_request_ids) for m in calls[0].written if m.abort_request_ids] == [["c"]]
     assert len(calls) == 1 and calls[0].half_closed
+
+
+def test_a_request_past_its_deadline_gets_504_and_is_aborted():
+    async def run():
+        calls = []
+        shared = SharedGenerate(lambda: calls.append(ScriptedCall(lambda message: None)) or calls[-1], timeout_s=0.05)
+        silent = shared.generate(engine_pb2.GenerateRequest(request_id="silent"))
+        with pytest.raises(OpenAIError) as info:
+            await anext(silent)
+        await asyncio.sleep(0.01)
+        return calls, info.value
+
+    calls, error = asyncio.run(run())
+    assert (error.status, error.code) == (504, "deadline_exceeded")
+    assert [list(m.abort_request_ids) for m in calls[0].written if m.abort_request_ids] == [["silent"]]
+    assert calls[0].half_closed
