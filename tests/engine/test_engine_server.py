@@ -144,8 +144,8 @@ def test_generate_many_serves_requests_as_their_own_generate_streams_would(engin
                     and many.outputs["many-long"])
     many.send([generate_request("many-long", [6, 7], 3)], aborts=[])  # the same id again, while it runs
     many.read_until(lambda: any(o.HasField("error") for o in many.outputs["many-long"]))
+    load = engine.stub.Load(engine_pb2.LoadRequest(), timeout=5)  # before the abort: the long request runs
     many.send(aborts=["many-long"])
-    load = engine.stub.Load(engine_pb2.LoadRequest(), timeout=5)
     for i, (rid, prompt) in enumerate(prompts.items()):
         own = list(engine.stub.Generate(generate_request(f"own-{i}", prompt, 5 + i, temperature=0.0), timeout=30))
         outputs = many.outputs[rid]
@@ -158,7 +158,7 @@ def test_generate_many_serves_requests_as_their_own_generate_streams_would(engin
     assert duplicate.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "already running" in duplicate.message
     after = many.close()
     assert not any(o.request_id == "many-long" and o.HasField("output") and o.output.finish_reason for o in after)
-    assert load.num_running >= 1  # the long request ran until its abort
+    assert load.num_running >= 1
     loads = []
 
     def idle() -> bool:
