@@ -106,36 +106,37 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             self.metrics.detokenize_streams.dec()
 
     async def DetokenizeMany(self, request_iterator, context) -> AsyncIterator[tokenizer_pb2.DetokenizeManyResponse]:
-        decoded = self.metrics.tokens.labels("decoded")
         generations: dict[int, IncrementalDetokenizer] = {}
         try:
             with self.metrics.answering("DetokenizeMany", timed=False):
                 async for request in request_iterator:
-                    response = tokenizer_pb2.DetokenizeManyResponse()
-                    for item in request.items:
-                        detokenizer = generations.get(item.generation_id)
-                        if detokenizer is None:
-                            detokenizer = self._tokenizer.detokenizer(item.skip_special_tokens,
-                                                                      list(item.prefix_token_ids))
-                            generations[item.generation_id] = detokenizer
-                            self.metrics.detokenize_streams.inc()
-                        try:
-                            delta = detokenizer.step(list(item.token_ids))
-                            if item.end:
-                                delta += detokenizer.flush()
-                        except Exception as exc:  # this generation's fault: the others go on
-                            response.deltas.add(error=str(exc) or type(exc).__name__)
-                            del generations[item.generation_id]
-                            self.metrics.detokenize_streams.dec()
-                            continue
-                        decoded.inc(len(item.token_ids))
-                        if item.end:
-                            del generations[item.generation_id]
-                            self.metrics.detokenize_streams.dec()
-                        response.deltas.add(text_delta=delta, num_token_ids=detokenizer.num_emitted_ids)
-                    yield response
+                    yield tokenizer_pb2.DetokenizeManyResponse(
+                        deltas=[self._detokenize_item(generations, item) for item in request.items])
         finally:
             self.metrics.detokenize_streams.dec(len(generations))
+
+    def _detokenize_item(self, generations: dict[int, IncrementalDetokenizer],
+                         item: tokenizer_pb2.DetokenizeItem) -> tokenizer_pb2.DetokenizeDelta:
+        """One item of a DetokenizeMany message: a new id opens its generation; ``end``, or a failure
+        (its own: the stream's other generations go on), closes it."""
+        detokenizer = generations.get(item.generation_id)
+        if detokenizer is None:
+            detokenizer = self._tokenizer.detokenizer(item.skip_special_tokens, list(item.prefix_token_ids))
+            generations[item.generation_id] = detokenizer
+            self.metrics.detokenize_streams.inc()
+        try:
+            delta = detokenizer.step(list(item.token_ids))
+            if item.end:
+                delta += detokenizer.flush()
+        except Exception as exc:
+            reply = tokenizer_pb2.DetokenizeDelta(error=str(exc) or type(exc).__name__)
+        else:
+            self.metrics.tokens.labels("decoded").inc(len(item.token_ids))
+            reply = tokenizer_pb2.DetokenizeDelta(text_delta=delta, num_token_ids=detokenizer.num_emitted_ids)
+        if item.end or reply.error:
+            del generations[item.generation_id]
+            self.metrics.detokenize_streams.dec()
+        return reply
 
     async def Info(self, request, context) -> tokenizer_pb2.TokenizerInfoResponse:
         tokenizer = self._tokenizer
