@@ -16,14 +16,15 @@ import uuid
 import uvloop
 from opentelemetry import trace
 
+from services.common import request_id as request_ids
 from services.common.errors import ServiceUnavailableError
+from services.common.generate_many import serve_generate_many
 from services.common.grpc_server import GrpcServer
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.tls import TlsFiles
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
-from services.engine.generate_many import generate_many
 from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import EngineEvents
 from services.engine.protocol import load_report, output_to_proto, sampling_params_from_proto
@@ -76,8 +77,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             yield output_to_proto(output, self.config.replica_id)
 
     async def GenerateMany(self, request_iterator, context):
-        async for response in generate_many(self._ready_engine, self.config.replica_id, request_iterator):
+        async for response in serve_generate_many(self._one_of_many, request_iterator):
             yield response
+
+    async def _one_of_many(self, request: engine_pb2.GenerateRequest):
+        """A GenerateMany request's outputs (`services/common/generate_many`): as Generate's, untraced."""
+        with request_ids.bound(request.request_id):  # its log lines carry its id, as a Generate call's do
+            engine = self._ready_engine()
+            params = sampling_params_from_proto(request)
+            async for output in engine.generate(request.request_id, list(request.prompt_token_ids), params,
+                                                request.cache_salt, request.fairness_key):
+                yield output_to_proto(output, self.config.replica_id)
 
     async def Info(self, request: engine_pb2.EngineInfoRequest, context) -> engine_pb2.EngineInfoResponse:
         if self.engine is None:

@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common import error_details
-from services.common.pb import engine_pb2
 
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait before retrying
 
@@ -134,13 +133,6 @@ def from_grpc(error: grpc.RpcError, upstream: str) -> OpenAIError:
     return from_status(code, details, upstream, lambda: error_details.param_and_code(error))
 
 
-def from_request_error(error: engine_pb2.RequestError, upstream: str) -> OpenAIError:
-    """Maps a request's failure on a shared GenerateMany stream, as `from_grpc` maps its own stream's."""
-    code = _STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
-    return from_status(code, error.message or str(code), upstream,
-                       lambda: (error.param or None, error.error_code or None))
-
-
 def from_status(code: grpc.StatusCode, details: str, upstream: str, param_and_code) -> OpenAIError:
     """``param_and_code()``: an INVALID_ARGUMENT's parameter and OpenAI error code (None where unknown)."""
     status = _GRPC_TO_HTTP.get(code, 500)
@@ -152,9 +144,6 @@ def from_status(code: grpc.StatusCode, details: str, upstream: str, param_and_co
         return OpenAIError(f"The request is too large for the {upstream}: {details}.", 413,
                            code="request_too_large")
     return OpenAIError(f"{upstream} failed: {code.name}: {details}", status, code=code.name.lower())
-
-
-_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def from_validation_error(exc: RequestValidationError) -> OpenAIError:

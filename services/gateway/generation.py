@@ -15,8 +15,8 @@ import grpc
 from opentelemetry import trace
 
 from services.common.pb import engine_pb2, tokenizer_pb2
+from services.common.shared_stream import in_sampled_trace
 from services.gateway import errors, genai_span
-from services.gateway.shared_stream import in_sampled_trace
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.upstream import Upstream
 from services.gateway.validation import GenerationParams

@@ -1,5 +1,5 @@
 """Detokenization on the tokenizer's DetokenizeMany stream, shared by the gateway's untraced
-generations (`shared_stream`): a generation's ids become an item of the stream's next message, and
+generations (`services/common/shared_stream`): a generation's ids become an item of the stream's next message, and
 each message's reply holds one delta per item, in order.
 
 Traced requests keep a Detokenize stream of their own (`generation.py`, `shared_stream.in_sampled_trace`).
@@ -13,8 +13,8 @@ from collections.abc import Callable
 import grpc
 
 from services.common.pb import tokenizer_pb2
+from services.common.shared_stream import SharedStream, SharedStreams
 from services.gateway import errors
-from services.gateway.shared_stream import SharedStream, SharedStreams
 
 
 class SharedDetokenize:
@@ -30,7 +30,7 @@ class SharedDetokenize:
         return SharedGeneration(self._streams.current().stream, next(self._ids), prefix_ids, skip_special_tokens)
 
     def close(self) -> None:
-        self._streams.close()
+        self._streams.close(errors.OpenAIError("the gateway is closing its upstream streams", 503))
 
 
 class _DetokenizeStream:
@@ -38,7 +38,7 @@ class _DetokenizeStream:
 
     def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
         self._awaiting: deque[list[asyncio.Future]] = deque()  # per message written, its items' replies
-        self.stream = SharedStream(call, "tokenizer", self._message, self._on_reply, self._on_fail)
+        self.stream = SharedStream(call, self._message, self._on_reply, self._on_fail, _failure)
 
     def _message(self, items: list) -> tokenizer_pb2.DetokenizeManyRequest:
         self._awaiting.append([reply for _, reply in items])
@@ -49,13 +49,21 @@ class _DetokenizeStream:
             if not waiting.done():
                 waiting.set_result(delta)
 
-    def _on_fail(self, error: errors.OpenAIError, unsent: list) -> None:
+    def _on_fail(self, error: Exception, unsent: list) -> None:
         pending = [reply for _, reply in unsent] + [reply for replies in self._awaiting for reply in replies]
         self._awaiting.clear()
         for reply in pending:
             if not reply.done():
                 reply.set_exception(error)
                 reply.exception()  # a generation that was cancelled never reads it: no "never retrieved" log
+
+
+def _failure(error: Exception | None) -> errors.OpenAIError:
+    if isinstance(error, grpc.RpcError):
+        return errors.from_grpc(error, "tokenizer")
+    if error is None:
+        return errors.OpenAIError("the tokenizer ended a shared stream early", 502)
+    return errors.OpenAIError(f"tokenizer stream failed: {error!r}", 502)
 
 
 class SharedGeneration:

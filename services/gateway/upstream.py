@@ -15,11 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import client_span
 from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.shared_generate import SharedGenerate
+from services.common.shared_stream import in_sampled_trace
 from services.common.tls import TlsFiles, aio_channel
 from services.gateway import errors
 from services.gateway.shared_detokenize import SharedDetokenize
-from services.gateway.shared_generate import SharedGenerate
-from services.gateway.shared_stream import in_sampled_trace
 from services.gateway.validation import ModelFacts
 
 MAX_MESSAGE_BYTES = 64 << 20  # the tokenizer's and the engine's servers accept as much
@@ -49,7 +49,7 @@ class Upstream:
         self._token_texts: dict[int, str] = {}
         self._decode_slots = asyncio.Semaphore(_MAX_CONCURRENT_DECODES)
         self.shared_detokenize = SharedDetokenize(lambda: self.tokenizer.DetokenizeMany())
-        self._shared_generate = SharedGenerate(lambda: self.engine.GenerateMany(), generate_timeout_s)
+        self._shared_generate = SharedGenerate(lambda: self.engine.GenerateMany(), "engine", generate_timeout_s)
 
     def generate(self, request: engine_pb2.GenerateRequest):
         """The engine's outputs for ``request``: on the shared GenerateMany stream when the engine
@@ -69,7 +69,7 @@ class Upstream:
 
     async def close(self) -> None:
         self.shared_detokenize.close()
-        self._shared_generate.close()
+        self._shared_generate.close("the gateway is closing its upstream streams")
         await asyncio.gather(self._tokenizer_channel.close(), self._engine_channel.close())
 
     async def facts(self) -> ModelFacts:

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb import engine_pb2, engine_pb2_grpc
+from services.common.shared_generate import SharedGenerate
 from services.common.tls import TlsFiles, aio_channel
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class Replica:
     static: bool = False  # given at start (kept while down) rather than joined by a load report
     down_since: float | None = None  # monotonic time it stopped being healthy (or was added)
     unresponsive: asyncio.Event = field(default_factory=asyncio.Event)  # its health check failed; renewed when healthy
+    shared: SharedGenerate | None = None  # the router's GenerateMany stream to it, once a request used it
 
     @classmethod
     def connect(cls, address: str, tls: TlsFiles | None = None) -> "Replica":
@@ -54,6 +56,11 @@ class Replica:
     @property
     def name(self) -> str:
         return self.replica_id or self.address
+
+    async def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close(f"the router dropped engine replica {self.name}")
+        await self.channel.close()
 
 
 class ReplicaSet:
@@ -105,7 +112,7 @@ class ReplicaSet:
                      now - replica.down_since)
             del self.replicas[replica.address]
             self.on_down(replica)
-            await replica.channel.close()
+            await replica.close()
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -161,4 +168,4 @@ class ReplicaSet:
             replica.healthy, replica.down_since, replica.unresponsive = True, None, asyncio.Event()
 
     async def close(self) -> None:
-        await asyncio.gather(*(r.channel.close() for r in self.replicas.values()))
+        await asyncio.gather(*(r.close() for r in self.replicas.values()))

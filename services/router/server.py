@@ -12,8 +12,10 @@ healthy replicas'. Health is SERVING while at least one replica is.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
+import uuid
 
 import grpc
 from opentelemetry import trace
@@ -21,10 +23,13 @@ from opentelemetry import trace
 from services.common import client_span, error_details
 from services.common.errors import ResourceExhaustedError, ServiceUnavailableError
 from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
+from services.common.generate_many import serve_generate_many
 from services.common.grpc_server import GrpcServer
 from services.common.nats_auth import connect_options, is_authenticated
 from services.common.nats_logging import connection_callbacks
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
+from services.common.shared_generate import SharedGenerate, status_error
+from services.common.shared_stream import in_sampled_trace
 from services.common.tls import TlsFiles
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placement
@@ -74,6 +79,38 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         self._counted: dict[str, engine_pb2.LoadReport] = {}  # each replica's latest answer, see Load
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
+        if not request.request_id:  # as an engine names it; a shared stream to a replica keys requests by id
+            named = engine_pb2.GenerateRequest()
+            named.CopyFrom(request)
+            named.request_id, request = uuid.uuid4().hex, named
+        try:
+            async with contextlib.aclosing(self._relay(request)) as outputs:  # closed (its call cancelled) at once
+                async for output in outputs:
+                    yield output
+        except grpc.aio.AioRpcError as error:  # a replica's status (its refusal's details kept), or the cut
+            await context.abort(error.code(), error.details(), trailing_metadata=error_details.passed_on(error))
+
+    async def GenerateMany(self, request_iterator, context):
+        """Many requests on one stream (`services/common/generate_many`), each placed and relayed as
+        Generate places and relays it."""
+        async for response in serve_generate_many(self._relay, request_iterator):
+            yield response
+
+    def _call(self, replica: Replica, request: engine_pb2.GenerateRequest):
+        """The replica's outputs for ``request``: on the router's shared GenerateMany stream to it when
+        it answers GenerateMany, the request is not traced and its id is not running there already;
+        else on a Generate stream of its own (a CLIENT span of the request's trace)."""
+        if replica.info is not None and replica.info.generate_many and not in_sampled_trace():
+            if replica.shared is None:
+                replica.shared = SharedGenerate(replica.stub.GenerateMany, replica.name, self.request_timeout_s)
+            if not replica.shared.running(request.request_id):
+                return replica.shared.generate(request)
+        return client_span.call(GENERATE, replica.address, lambda metadata: replica.stub.Generate(
+            request, timeout=self.request_timeout_s, metadata=metadata))
+
+    async def _relay(self, request: engine_pb2.GenerateRequest):
+        """``request``'s outputs from the replica that takes it; raises what its Generate call ends with
+        (`grpc.aio.AioRpcError` for a replica's status or a cut, `services.common.errors` for none left)."""
         tried: set[str] = set()
         full = False  # a replica refused for a full queue
         while True:
@@ -95,8 +132,7 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
             self.metrics.overlap.observe(overlap)
             replica.in_flight += 1
             self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
-            call = client_span.call(GENERATE, replica.address, lambda metadata: replica.stub.Generate(
-                request, timeout=self.request_timeout_s, metadata=metadata))
+            call = self._call(replica, request)
             relayed = False
             try:
                 output = await _first_output(call, replica)
@@ -122,10 +158,10 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                     self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
                 full = full or error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 if relayed:  # tokens already went out: the client sees the cut (an SSE error event)
-                    await context.abort(error.code(), f"engine replica {replica.name} failed mid-stream "
-                                                      f"({error.details()}); the output is incomplete")
+                    raise status_error(error.code(), f"engine replica {replica.name} failed mid-stream "
+                                                     f"({error.details()}); the output is incomplete") from None
                 if error.code() not in _RETRY_ON:  # the engine's own refusal, its status details kept
-                    await context.abort(error.code(), error.details(), trailing_metadata=error_details.passed_on(error))
+                    raise
                 self.metrics.failovers.labels(replica.name).inc()
                 log.warning("request %s: replica %s refused or failed before its first output (%s); trying another",
                             request.request_id, replica.name, error.code().name)
@@ -141,7 +177,7 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         info = engine_pb2.EngineInfoResponse()
         info.CopyFrom(known[0].info)
         info.replica_id = self.router_id
-        info.generate_many = False  # Generate only: each request is placed and relayed on its own
+        info.generate_many = True  # each request on a GenerateMany stream is placed and relayed on its own
         info.num_kv_blocks = sum(r.info.num_kv_blocks for r in known)
         info.max_num_seqs = sum(r.info.max_num_seqs for r in known)
         return info

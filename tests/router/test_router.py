@@ -43,7 +43,7 @@ def test_info_and_load_speak_for_the_fleet(fleet):
     router, _, _ = fleet
     info = router.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5)
     assert info.replica_id == "router-0" and info.num_kv_blocks == 2 * 256 and info.vocab_size == 4096
-    assert not info.generate_many  # its engines answer GenerateMany; the router relays Generate only
+    assert info.generate_many  # each request on the stream is placed and relayed on its own
     load = router.stub.Load(engine_pb2.LoadRequest(), timeout=5)
     assert load.num_kv_blocks_total == 2 * 256
 
@@ -58,6 +58,31 @@ def test_a_cached_prefix_pulls_its_requests_to_its_replica(fleet):
         assert served_by(router, f"p{i}", shared + [i + 1, i + 2]) == first
     # Distinct prompts have no cache anywhere: equal cost, so they alternate.
     replicas = {served_by(router, f"d{i}", [300 + 17 * i + j for j in range(40)]) for i in range(6)}
+    assert replicas == {"e0", "e1"}
+
+
+def test_generate_many_through_the_router_places_each_request_and_answers_as_generate_does(fleet):
+    """One GenerateMany stream to the router: each request gets Generate's outputs (greedy), placed on
+    its own (two distinct prompts spread over both replicas, alternating at equal cost); a refused
+    request gets its error entry with its parameter, and the others go on."""
+    router, _, _ = fleet
+    prompts = {f"m{i}": [800 + 13 * i + j for j in range(30)] for i in range(4)}
+    requests = [generate_request(rid, prompt, 6, temperature=0.0) for rid, prompt in prompts.items()]
+    requests.append(generate_request("m-bad", [1, 2], 2, top_p=1.5))
+    outputs: dict[str, list] = {}
+    for reply in router.stub.GenerateMany(iter([engine_pb2.GenerateManyRequest(requests=requests)]), timeout=60):
+        for output in reply.outputs:
+            outputs.setdefault(output.request_id, []).append(output)
+    bad = outputs.pop("m-bad")
+    assert len(bad) == 1 and bad[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert bad[0].error.param == "top_p"
+    replicas = set()
+    for rid, prompt in prompts.items():
+        tokens = [t for o in outputs[rid] for t in o.output.token_ids]
+        alone = list(router.stub.Generate(generate_request(f"{rid}-alone", prompt, 6, temperature=0.0), timeout=60))
+        assert tokens == [t for o in alone for t in o.token_ids]
+        replicas.add(outputs[rid][-1].output.replica_id)
+        assert outputs[rid][-1].output.finish_reason
     assert replicas == {"e0", "e1"}
 
 

@@ -8,8 +8,10 @@ done: the outputs of one engine step reach the gateway together, so the items th
 together too.
 
 `SharedStream` owns the call, the queue, a writer and a reader task; what an item is, how items make
-a message and where a reply goes are its user's (``make_message(items)``, ``on_reply(reply)``,
-``on_fail(error, unsent_items)``). Each request `join`s it and `leave`s it once; when the last one
+a message, where a reply goes and what error a broken stream gives its requests are its user's
+(``make_message(items)``, ``on_reply(reply)``, ``on_fail(error, unsent_items)``, ``failure(exception)``).
+The gateway shares its streams to the tokenizer and the engine (or router) this way, and the router its
+streams to each engine replica. Each request `join`s it and `leave`s it once; when the last one
 leaves, the stream half-closes after sending what is queued, so an idle gateway holds no stream and
 a server asked to stop does not wait on one. A stream that fails (the server went away) fails its
 requests through ``on_fail``; the next request opens a new one (`SharedStreams`).
@@ -21,20 +23,21 @@ from collections.abc import Callable
 import grpc
 from opentelemetry import trace
 
-from services.gateway import errors
-
 
 class SharedStream:
-    def __init__(self, call: grpc.aio.StreamStreamCall, upstream: str, make_message: Callable[[list], object],
-                 on_reply: Callable[[object], None], on_fail: Callable[[errors.OpenAIError, list], None]) -> None:
+    """``failure(exception)``: the error the requests get when the call raised ``exception``, or
+    (None) when the server ended the stream while requests were still on it."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, make_message: Callable[[list], object],
+                 on_reply: Callable[[object], None], on_fail: Callable[[Exception, list], None],
+                 failure: Callable[[Exception | None], Exception]) -> None:
         self._call = call
-        self._upstream = upstream
-        self._make_message, self._on_reply, self._on_fail = make_message, on_reply, on_fail
+        self._make_message, self._on_reply, self._on_fail, self._failure = make_message, on_reply, on_fail, failure
         self._queued: list = []
         self._wake = asyncio.Event()
         self._users = 0
         self.closing = False  # no request joins: the stream half-closes once its queue is sent
-        self.error: errors.OpenAIError | None = None
+        self.error: Exception | None = None
         self._tasks = (asyncio.create_task(self._write_all()), asyncio.create_task(self._read_all()))
 
     def join(self) -> None:
@@ -53,7 +56,7 @@ class SharedStream:
         self._queued.append(item)
         self._wake.set()
 
-    def fail(self, error: errors.OpenAIError) -> None:
+    def fail(self, error: Exception) -> None:
         """Ends the stream; ``on_fail`` tells its requests."""
         if self.error is not None:
             return
@@ -78,22 +81,16 @@ class SharedStream:
                     await self._call.done_writing()
                     return
         except Exception as error:
-            self.fail(self._error(error))
+            self.fail(self._failure(error))
 
     async def _read_all(self) -> None:
         try:
             while (reply := await self._call.read()) is not grpc.aio.EOF:
                 self._on_reply(reply)
             if self._users or self._queued:
-                self.fail(errors.OpenAIError(f"the {self._upstream} ended a shared stream early", 502))
+                self.fail(self._failure(None))
         except Exception as error:
-            self.fail(self._error(error))
-
-    def _error(self, error: Exception) -> errors.OpenAIError:
-        if isinstance(error, grpc.RpcError):
-            return errors.from_grpc(error, self._upstream)
-        return errors.OpenAIError(f"{self._upstream} stream failed: {error!r}", 502)
-
+            self.fail(self._failure(error))
 
 class SharedStreams:
     """The current shared stream of one kind (an object whose ``stream`` is its `SharedStream`), a new
@@ -108,9 +105,10 @@ class SharedStreams:
             self.latest = self._open_stream()
         return self.latest
 
-    def close(self) -> None:
+    def close(self, error: Exception) -> None:
+        """Fails the current stream's requests with ``error``."""
         if self.latest is not None:
-            self.latest.stream.fail(errors.OpenAIError("the gateway is closing its upstream streams", 503))
+            self.latest.stream.fail(error)
 
 
 def in_sampled_trace() -> bool:

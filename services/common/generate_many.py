@@ -1,36 +1,42 @@
-"""The engine's side of GenerateMany: many requests over one gRPC stream.
+"""The server's side of GenerateMany: many requests over one gRPC stream (the engine's and the router's).
 
 A Generate stream per request costs a gRPC message per request and token, and grpc.aio's cost per
-message runs on the gRPC thread holding the GIL, which the thread running the model's steps then
-waits for: at 64 streams that slowed every decode step by about a fifth. Here each request still runs
-as `AsyncEngine.generate` (validation, ``--stream-interval``, abort on leaving), in a task of its own
-that puts its outputs in the stream's outbox, and one sender sends everything in the outbox as one
-message: an engine step delivers all its outputs in one callback on the event loop, so its requests'
-outputs leave together.
+message runs on the gRPC thread holding the GIL, which the engine's model thread then waits for: at
+64 streams that slowed every decode step by about a fifth. Here each request runs as its server's
+Generate would (``run_one(request)``: its outputs, or the exception its Generate call would end with),
+in a task of its own that puts its outputs in the stream's outbox, and one sender sends everything in
+the outbox as one message: an engine step delivers all its outputs in one callback on the event loop,
+so its requests' outputs leave together.
 
 A request that fails gets an error entry with the status its own Generate stream would have ended
-with (`grpc_server.status_for`); the stream and its other requests go on. When the caller closes its
-side, the stream ends once its running requests have; when it cancels, they are aborted.
+with (`grpc_server.status_for`, or a relayed call's own status with its parameter); the stream and
+its other requests go on. When the caller closes its side, the stream ends once its running requests
+have; when it cancels, they are aborted.
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from services.common import request_id as request_ids
+from services.common import error_details
 from services.common.errors import InvalidRequestError
 from services.common.grpc_server import status_for
 from services.common.pb import engine_pb2
-from services.engine.async_engine import AsyncEngine
-from services.engine.protocol import output_to_proto, sampling_params_from_proto
 
 log = logging.getLogger(__name__)
+
+RunOne = Callable[[engine_pb2.GenerateRequest], AsyncIterator[engine_pb2.GenerateResponse]]
 
 
 def request_error(exc: Exception) -> engine_pb2.RequestError:
     """What a request's own Generate stream would have ended with for ``exc``."""
+    if isinstance(exc, grpc.aio.AioRpcError):  # a relayed call's status (the router), passed on as it is
+        param, error_code = error_details.param_and_code(exc)
+        return engine_pb2.RequestError(code=exc.code().value[0], message=exc.details() or "", param=param or "",
+                                       error_code=error_code or "")
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("GenerateMany request failed", exc_info=exc)
@@ -40,10 +46,8 @@ def request_error(exc: Exception) -> engine_pb2.RequestError:
     return error
 
 
-async def generate_many(ready_engine: Callable[[], AsyncEngine], replica_id: str,
-                        request_iterator) -> AsyncIterator[engine_pb2.GenerateManyResponse]:
-    """The GenerateMany stream: ``ready_engine()`` gives the engine or raises why it cannot take a
-    request (loading, shutting down)."""
+async def serve_generate_many(run_one: RunOne, request_iterator) -> AsyncIterator[engine_pb2.GenerateManyResponse]:
+    """The GenerateMany stream over ``request_iterator``, each request run by ``run_one``."""
     outbox: list[engine_pb2.GenerateManyOutput] = []
     wake = asyncio.Event()
     running: dict[str, asyncio.Task] = {}
@@ -55,13 +59,9 @@ async def generate_many(ready_engine: Callable[[], AsyncEngine], replica_id: str
     async def run(request: engine_pb2.GenerateRequest) -> None:
         request_id = request.request_id
         try:
-            with request_ids.bound(request_id):  # its log lines carry its id, as a Generate call's do
-                engine = ready_engine()
-                params = sampling_params_from_proto(request)
-                async for output in engine.generate(request_id, list(request.prompt_token_ids), params,
-                                                    request.cache_salt, request.fairness_key):
-                    emit(engine_pb2.GenerateManyOutput(request_id=request_id,
-                                                       output=output_to_proto(output, replica_id)))
+            async with contextlib.aclosing(run_one(request)) as outputs:  # aborted at once when cancelled
+                async for output in outputs:
+                    emit(engine_pb2.GenerateManyOutput(request_id=request_id, output=output))
         except Exception as exc:
             emit(engine_pb2.GenerateManyOutput(request_id=request_id, error=request_error(exc)))
         finally:
@@ -82,16 +82,14 @@ async def generate_many(ready_engine: Callable[[], AsyncEngine], replica_id: str
             for request_id in message.abort_request_ids:
                 task = running.pop(request_id, None)
                 if task is not None:
-                    task.cancel()  # leaving engine.generate aborts the request
+                    task.cancel()  # leaving run_one aborts the request (the engine frees its blocks)
             for request in message.requests:
                 start(request)
 
     reader = asyncio.create_task(read_requests())
     reader.add_done_callback(lambda _: wake.set())
     try:
-        while True:
-            await wake.wait()
-            wake.clear()
+        while True:  # the state is checked before each wait: a request may end while its outputs are sent
             if outbox:
                 outputs = outbox[:]
                 outbox.clear()
@@ -99,6 +97,9 @@ async def generate_many(ready_engine: Callable[[], AsyncEngine], replica_id: str
             elif reader.done() and (not running or reader.exception() is not None):
                 reader.result()  # the caller's side failed: so does the stream
                 return
+            else:
+                await wake.wait()
+                wake.clear()
     finally:
         reader.cancel()
         for task in running.values():

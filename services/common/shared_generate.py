@@ -1,0 +1,163 @@
+"""Generation on an engine's GenerateMany stream, shared by many requests (`shared_stream`): a request
+starts as an item of the stream's next message, its outputs come back among the other requests' in
+the replies, and cancelling it sends an abort.
+
+A request's call reads as its own Generate call would: ``GenerateResponse``s up to the one with a
+finish reason, or a `grpc.aio.AioRpcError` with the status its own stream would have ended with (an
+INVALID_ARGUMENT's parameter and OpenAI code in its status details, as the engine sends them), so the
+gateway and the router handle both kinds of call alike. Used by the gateway towards its engine (or a
+router) and by the router towards each engine replica, for requests whose trace is not recorded
+(`shared_stream.in_sampled_trace`); where the server does not answer GenerateMany
+(`EngineInfoResponse.generate_many`) they use Generate.
+"""
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+
+from services.common import error_details
+from services.common.errors import InvalidRequestError
+from services.common.pb import engine_pb2
+from services.common.shared_stream import SharedStream, SharedStreams
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_error(code: grpc.StatusCode, details: str, param: str | None = None,
+                 error_code: str | None = None) -> grpc.aio.AioRpcError:
+    """The error a Generate call raises for this status (param and OpenAI code in its details)."""
+    trailing = ()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        trailing = error_details.trailing_metadata(InvalidRequestError(details, param=param, code=error_code))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+def _from_request_error(error: engine_pb2.RequestError) -> grpc.aio.AioRpcError:
+    return status_error(_STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN), error.message,
+                        error.param or None, error.error_code or None)
+
+
+def _stream_failure(server: str) -> Callable[[Exception | None], Exception]:
+    def failure(error: Exception | None) -> Exception:
+        if isinstance(error, grpc.aio.AioRpcError):
+            return error
+        reason = f"failed: {error!r}" if error is not None else "ended it early"
+        return status_error(grpc.StatusCode.UNAVAILABLE, f"the shared GenerateMany stream to the {server} {reason}")
+    return failure
+
+
+class SharedGenerate:
+    """Starts requests on the current GenerateMany stream to ``server`` (its name in errors);
+    ``open_call()`` makes a new one's gRPC call. Create inside the event loop."""
+
+    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall], server: str = "engine",
+                 timeout_s: float = 3600.0) -> None:
+        self._streams = SharedStreams(lambda: _GenerateStream(open_call(), _stream_failure(server)))
+        self.timeout_s = timeout_s  # each request's deadline, as a Generate call's own
+
+    def running(self, request_id: str) -> bool:
+        """Whether a request of this id runs on the current stream (a second one would be refused)."""
+        latest = self._streams.latest
+        return latest is not None and not latest.stream.closing and request_id in latest.calls
+
+    def generate(self, request: engine_pb2.GenerateRequest) -> "SharedGenerateCall":
+        return SharedGenerateCall(self._streams.current(), request, self.timeout_s)
+
+    def close(self, reason: str) -> None:
+        """Fails the requests on the current stream (UNAVAILABLE: ``reason``)."""
+        self._streams.close(status_error(grpc.StatusCode.UNAVAILABLE, reason))
+
+
+class _GenerateStream:
+    """Items are a GenerateRequest (start it) or a request id (abort it); replies go to the request's
+    call by id."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, failure: Callable[[Exception | None], Exception]) -> None:
+        self.calls: dict[str, SharedGenerateCall] = {}
+        self.stream = SharedStream(call, self._message, self._on_reply, self._on_fail, failure)
+
+    @staticmethod
+    def _message(items: list) -> engine_pb2.GenerateManyRequest:
+        message = engine_pb2.GenerateManyRequest()
+        for item in items:
+            if isinstance(item, str):
+                message.abort_request_ids.append(item)
+            else:
+                message.requests.append(item)
+        return message
+
+    def _on_reply(self, reply: engine_pb2.GenerateManyResponse) -> None:
+        for output in reply.outputs:
+            call = self.calls.get(output.request_id)
+            if call is None:  # cancelled while its output was on the way
+                continue
+            if output.HasField("error"):
+                call.deliver(_from_request_error(output.error))
+            else:
+                call.deliver(output.output)
+
+    def _on_fail(self, error: Exception, unsent: list) -> None:
+        for call in list(self.calls.values()):
+            call.deliver(error)
+
+
+class SharedGenerateCall:
+    """One request's outputs, iterated (or ``read()``, EOF after the last) as a Generate call's; past
+    ``timeout_s`` it raises DEADLINE_EXCEEDED and the request is aborted. ``cancel()`` aborts the
+    request in the engine."""
+
+    def __init__(self, owner: _GenerateStream, request: engine_pb2.GenerateRequest, timeout_s: float) -> None:
+        self._owner = owner
+        self._id = request.request_id
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._done = False
+        owner.stream.send(request)
+        owner.calls[self._id] = self
+        owner.stream.join()
+        self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+
+    def deliver(self, output: engine_pb2.GenerateResponse | Exception) -> None:
+        self._outputs.put_nowait(output)
+
+    def __aiter__(self) -> "SharedGenerateCall":
+        return self
+
+    async def __anext__(self) -> engine_pb2.GenerateResponse:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._outputs.get()
+        if isinstance(output, Exception):
+            self._end()
+            raise output
+        if output.finish_reason:
+            self._end()
+        return output
+
+    async def read(self):
+        """The next output, or ``grpc.aio.EOF`` after the last (as a Generate call's ``read``)."""
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            return grpc.aio.EOF
+
+    def cancel(self) -> None:
+        if self._done:
+            return
+        if self._owner.stream.error is None:
+            self._owner.stream.send(self._id)
+        self._end()
+
+    def _expire(self) -> None:
+        if self._done:
+            return
+        if self._owner.stream.error is None:
+            self._owner.stream.send(self._id)
+        self.deliver(status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def _end(self) -> None:
+        if not self._done:
+            self._done = True
+            self._deadline.cancel()
+            self._owner.calls.pop(self._id, None)
+            self._owner.stream.leave()

@@ -1,0 +1,98 @@
+"""The shared GenerateMany stream (services/common/shared_generate.py) against a scripted call: outputs
+reach the request they belong to, a request's error reads as its own Generate call's status (its
+parameter in the status details), cancelling and the deadline send aborts, and a broken stream fails
+its requests with UNAVAILABLE, which the gateway maps to 503 and the router retries."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common import error_details
+from services.common.pb import engine_pb2
+from services.common.shared_generate import SharedGenerate
+from services.gateway import errors
+from tests.scripted_call import ScriptedCall, Unavailable
+
+
+def three_tokens_each(message: engine_pb2.GenerateManyRequest) -> engine_pb2.GenerateManyResponse | None:
+    """Three outputs per request; request "bad" is refused for its top_p."""
+    reply = engine_pb2.GenerateManyResponse()
+    for request in message.requests:
+        if request.request_id == "bad":
+            reply.outputs.add(request_id="bad", error=engine_pb2.RequestError(
+                code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="top_p must be in (0, 1]", param="top_p"))
+        else:
+            for k in range(3):
+                reply.outputs.add(request_id=request.request_id, output=engine_pb2.GenerateResponse(
+                    token_ids=[k], finish_reason=engine_pb2.FINISH_REASON_LENGTH if k == 2 else 0))
+    return reply if reply.outputs else None
+
+
+def test_outputs_reach_their_request_and_an_error_reads_as_the_requests_own_status():
+    async def run():
+        calls = []
+        shared = SharedGenerate(lambda: calls.append(ScriptedCall(three_tokens_each)) or calls[-1])
+        a, b = shared.generate(engine_pb2.GenerateRequest(request_id="a")), \
+            shared.generate(engine_pb2.GenerateRequest(request_id="b"))
+        bad = shared.generate(engine_pb2.GenerateRequest(request_id="bad"))
+        aborted = shared.generate(engine_pb2.GenerateRequest(request_id="c"))
+        running = shared.running("a")
+        tokens = {"a": [t async for output in a for t in output.token_ids], "b": []}
+        while (output := await b.read()) is not grpc.aio.EOF:  # read() as a Generate call's, EOF after the last
+            tokens["b"].extend(output.token_ids)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await bad.read()
+        aborted.cancel()
+        await asyncio.sleep(0.01)
+        return calls, running, tokens, info.value, shared.running("a")
+
+    calls, running, tokens, error, still_running = asyncio.run(run())
+    assert running and not still_running
+    assert tokens == {"a": [0, 1, 2], "b": [0, 1, 2]}
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error_details.param_and_code(error) == ("top_p", None)
+    gateway_error = errors.from_grpc(error, "engine")  # what the gateway makes of it, as of its own stream's
+    assert (gateway_error.status, gateway_error.param) == (400, "top_p")
+    assert [list(m.abort_request_ids) for m in calls[0].written if m.abort_request_ids] == [["c"]]
+    assert len(calls) == 1 and calls[0].half_closed
+
+
+def test_a_request_past_its_deadline_gets_deadline_exceeded_and_is_aborted():
+    async def run():
+        calls = []
+        shared = SharedGenerate(lambda: calls.append(ScriptedCall(lambda message: None)) or calls[-1], timeout_s=0.05)
+        silent = shared.generate(engine_pb2.GenerateRequest(request_id="silent"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await anext(silent)
+        await asyncio.sleep(0.01)
+        return calls, info.value
+
+    calls, error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert errors.from_grpc(error, "engine").status == 504
+    assert [list(m.abort_request_ids) for m in calls[0].written if m.abort_request_ids] == [["silent"]]
+    assert calls[0].half_closed
+
+
+def test_a_broken_or_closed_stream_fails_its_requests_with_unavailable_and_the_next_request_opens_another():
+    async def run():
+        calls = []
+        shared = SharedGenerate(lambda: calls.append(ScriptedCall(lambda message: None)) or calls[-1], "engine-1")
+        waiting = [shared.generate(engine_pb2.GenerateRequest(request_id=f"r{k}")) for k in range(2)]
+        await asyncio.sleep(0.01)
+        calls[0].fail(Unavailable())
+        broken = []
+        for call in waiting:
+            with pytest.raises(grpc.RpcError) as info:
+                await call.read()
+            broken.append(info.value.code())
+        after = shared.generate(engine_pb2.GenerateRequest(request_id="later"))
+        shared.close("the router is stopping")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await after.read()
+        return calls, broken, info.value
+
+    calls, broken, closed = asyncio.run(run())
+    assert broken == [grpc.StatusCode.UNAVAILABLE] * 2
+    assert len(calls) == 2 and calls[0].cancelled
+    assert closed.code() == grpc.StatusCode.UNAVAILABLE and closed.details() == "the router is stopping"
