@@ -76,6 +76,7 @@ class ReplicaSet:
         self.max_joined = max_joined
         self.num_refused = 0  # load reports from unknown replicas that were not let in
         self.on_down = lambda replica: None  # called when a replica stops being healthy
+        self.on_forgotten = lambda replica: None  # called when a departed replica is dropped
         self.on_refused = lambda report: None  # called for each load report refused
 
     def add(self, address: str, static: bool = False) -> Replica:
@@ -112,6 +113,7 @@ class ReplicaSet:
                      now - replica.down_since)
             del self.replicas[replica.address]
             self.on_down(replica)
+            self.on_forgotten(replica)
             await replica.close()
 
     def healthy(self) -> list[Replica]:

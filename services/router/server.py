@@ -42,6 +42,7 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 GENERATE, LOAD = f"{SERVICE_NAME}/Generate", f"{SERVICE_NAME}/Load"
 _RETRY_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)  # before the first output
 _DOWN_ON = (grpc.StatusCode.UNAVAILABLE,)  # RESOURCE_EXHAUSTED: a full queue, not a dead replica
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # summed over every replica seen
 
 
 class ReplicaUnresponsive(Exception):
@@ -76,7 +77,9 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
         self.max_attempts = max_attempts
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics or RouterMetrics()
-        self._counted: dict[str, engine_pb2.LoadReport] = {}  # each replica's latest answer, see Load
+        self._counted: dict[str, engine_pb2.LoadReport] = {}  # each known replica's latest answer, see Load
+        self._retired = engine_pb2.LoadReport()  # the counters of the replicas forgotten since
+        self.replicas.on_forgotten = self._retire
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         if not request.request_id:  # as an engine names it; a shared stream to a replica keys requests by id
@@ -198,10 +201,19 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
             for field in ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_total", "max_num_seqs"):
                 setattr(total, field, getattr(total, field) + getattr(load, field))
             self._counted[load.replica_id or load.address] = load
-        for load in self._counted.values():
-            for field in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
+        for load in (self._retired, *self._counted.values()):
+            for field in _COUNTERS:
                 setattr(total, field, getattr(total, field) + getattr(load, field))
         return total
+
+    def _retire(self, replica: Replica) -> None:
+        """A forgotten replica's last counts stay in the fleet's counters, without an entry of its own
+        (replicas that come and go, as under an autoscaler, would grow the table for ever)."""
+        for key in {replica.replica_id, replica.address} - {""}:
+            load = self._counted.pop(key, None)
+            if load is not None:
+                for field in _COUNTERS:
+                    setattr(self._retired, field, getattr(self._retired, field) + getattr(load, field))
 
 
 async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixIndex):
