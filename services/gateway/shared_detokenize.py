@@ -1,6 +1,6 @@
 """Detokenization on the tokenizer's DetokenizeMany stream, shared by the gateway's untraced
-generations (`services/common/shared_stream`): a generation's ids become an item of the stream's next message, and
-each message's reply holds one delta per item, in order.
+generations (`services/common/shared_stream`): a generation's ids become an item of the stream's next
+message, and each message's reply holds one delta per item, in order.
 
 Traced requests keep a Detokenize stream of their own (`generation.py`, `shared_stream.in_sampled_trace`).
 """
