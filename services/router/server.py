@@ -2,11 +2,14 @@
 whether one engine or a fleet answers.
 
 ``Generate`` asks `placement` for a replica (the policy over prefix overlap and load), and relays
-that replica's stream. If the replica fails before the first output (UNAVAILABLE: down, draining,
-unreachable; it is marked down), stops answering its health checks while the request waits for that
-output (hung: paused, partitioned), or refuses it for a full queue (RESOURCE_EXHAUSTED), the request goes
-to another, up to ``max_attempts`` replicas (all full: RESOURCE_EXHAUSTED);
-after the first output an error is the client's to see. An engine's own refusal (INVALID_ARGUMENT,
+that replica's stream; ``GenerateMany`` does the same for each request on one stream. Untraced
+requests travel to a replica on the router's one ``GenerateMany`` stream to it (`Replica.shared`).
+
+If the replica fails before the first output (UNAVAILABLE: down, draining, unreachable; it is marked
+down), stops answering its health checks while the request waits for that output (hung: paused,
+partitioned), or refuses it for a full queue (RESOURCE_EXHAUSTED), the request goes to another, up to
+``max_attempts`` replicas (all full: RESOURCE_EXHAUSTED); after the first output an error is the
+client's to see. An engine's own refusal (INVALID_ARGUMENT,
 ...) is passed on as it is. ``Info`` is a healthy replica's (with the router's id); ``Load`` sums the
 healthy replicas'. Health is SERVING while at least one replica is.
 """
