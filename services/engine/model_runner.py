@@ -10,6 +10,7 @@ from services.engine.attention import AttentionMetadata, get_attention_backend
 from services.engine.compiled_forward import DecodeGraphs, can_compile, default_buckets, use_inductor_cache_dir
 from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import decode_forward
+from services.engine.cpu_kernels import linear as native_linear
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
 from services.engine.models.packed_linear import NATIVE_MAX_ROWS
@@ -137,6 +138,8 @@ class ModelRunner:
         if reason is not None:
             log.info("decode steps run the model forward: the native decode step is off (%s)", reason)
             return None
+        if self.dtype == torch.bfloat16 and native_linear.uses_amx(NATIVE_MAX_ROWS, self.model_config.hidden_size):
+            log.info("bfloat16 projections of more than a few rows run on this CPU's AMX tiles")
         return decode_forward.DecodeStep(self.model, self.kv_caches, self.attention.scale)
 
     def free_request(self, request_id: str) -> None:

@@ -20,7 +20,9 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0)
 
 @pytest.mark.slow  # a 288-case shape sweep
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64])
+# bfloat16 from 5 rows with K a multiple of 32 runs on AMX tiles where the CPU has them: 16 rows a
+# tile, four tiles a pass over the weight (100 rows: two passes, the last tile partial)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64, 100])
 @pytest.mark.parametrize("n, k", [(7, 5), (123, 123), (1024, 512), (123, 1023), (7, 1376), (1024, 1376)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_reference(dtype, m, n, k, bias):
@@ -48,6 +50,16 @@ def test_strided_inputs(dtype):
     assert not row_strided.is_contiguous() and not column_strided.is_contiguous()
     for view in (row_strided, column_strided):
         torch.testing.assert_close(small_m_linear(view, blocked, b, 123), expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [5, 21])
+def test_row_strided_input_with_whole_k_tiles(dtype, m):
+    """As above where bfloat16 may take the AMX path, which reads the rows where they lie."""
+    x, weight, b = _case(m, 100, 512, dtype, bias=True)
+    row_strided = torch.cat([x, torch.randn(m, 64).to(dtype)], dim=1)[:, :512]
+    torch.testing.assert_close(small_m_linear(row_strided, block_weight(weight), b, 100), linear_ref(x, weight, b),
+                               **TOLERANCES[dtype])
 
 
 def test_block_layout_float32_and_bfloat16():

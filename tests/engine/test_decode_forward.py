@@ -20,7 +20,7 @@ from .prefill import prefill_requests
 pytestmark = pytest.mark.skipif(decode_forward._kernel() is None, reason="no C++ compiler for the native kernels")
 
 BLOCK_SIZE = 4
-NUM_KV_BLOCKS = 96
+NUM_KV_BLOCKS = 256
 ARCHS = {
     "llama": dict(attention_bias=True, mlp_bias=True),
     "qwen2": dict(tie_word_embeddings=True),
@@ -54,12 +54,14 @@ def prefill(runners: list[ModelRunner], prompt_lens: list[int]) -> tuple[list[Re
 @pytest.mark.slow  # parity over three architectures
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("min_chunk_tokens", [256, 4])  # 4: every context split in chunks, then merged
-def test_native_step_matches_the_torch_forward(checkpoint, dtype, min_chunk_tokens):
+# 4 rows; 21 rows, where bfloat16 projections take AMX tiles if the CPU has them (16 rows and a tail)
+@pytest.mark.parametrize("prompt_lens", [[1, 7, 30, 150], list(range(1, 64, 3))], ids=["4rows", "21rows"])
+def test_native_step_matches_the_torch_forward(checkpoint, dtype, min_chunk_tokens, prompt_lens):
     native, torch_forward = make_runner(checkpoint, dtype), make_runner(checkpoint, dtype)
     assert native.decode_step is not None
     native.decode_step.min_chunk_tokens = min_chunk_tokens
     torch_forward.decode_step = None
-    requests, tables = prefill([native, torch_forward], [1, 7, 30, 150])
+    requests, tables = prefill([native, torch_forward], prompt_lens)
     for _ in range(3):
         step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests, tables)])
         (_, logits), (_, expected) = native.compute_logits(step), torch_forward.compute_logits(step)

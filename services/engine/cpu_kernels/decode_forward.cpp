@@ -83,8 +83,8 @@ struct Elem<uint16_t> {
 };
 
 // y[m, n] = x[m, k] W^T + b in T, from inside the parallel region (ends with a barrier). `packed`
-// holds m * (k + 1) elements: x in the layout of the panel kernels, skipped for one row where that
-// layout is x itself.
+// holds max(m, 16) * (k + 1) elements: x in the layout of the panel kernels, skipped for one row where
+// that layout is x itself, or the AMX path's last partial tile of rows.
 template <typename T>
 void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* bias, int64_t n, T* y,
             typename Elem<T>::Packed* packed) {
@@ -105,6 +105,11 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
     run_panels<PanelF32>(xp, m, k, static_cast<const float*>(blocked), k * kPanel, k, n, store);
   } else {
     const int64_t k_pairs = (k + 1) / 2;
+    if (amx_serves(m, k)) {
+      run_panels_amx(x, m, k, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs, n,
+                     reinterpret_cast<uint16_t*>(packed), store);
+      return;
+    }
     const P* xp = reinterpret_cast<const P*>(x);
     if (m > 1 || k % 2 || !std::is_same_v<P, uint16_t>) {
 #pragma omp single
@@ -183,7 +188,7 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
   std::vector<T> residual(m * hidden), x(m * hidden), qkv(m * qkv_size), attn(m * q_size), o(m * hidden),
       gate_up(m * 2 * inter), act(m * inter), down(m * hidden);
   std::vector<float> attn_f32(m * q_size);
-  std::vector<typename E::Packed> packed(m * (std::max({hidden, q_size, inter}) + 1));
+  std::vector<typename E::Packed> packed(std::max(m, kTileRows) * (std::max({hidden, q_size, inter}) + 1));
 
   // Each layer's attention problem and its cut into work items (sliding windows differ per layer).
   const int num_threads = omp_get_max_threads();

@@ -8,6 +8,7 @@
 // inner loop broadcasts each row's element from one pointer. Each thread streams through a contiguous
 // run of panels, holding a pass of rows against one panel in registers: M rows cost one pass over the
 // weights (more rows re-read the panel from cache, not from memory).
+// bfloat16 from kAmxMinRows rows runs on AMX tiles where the CPU and the OS allow (linear_panels.h).
 
 #include "linear_panels.h"
 
@@ -30,14 +31,23 @@ void linear_f32(const float* x, int64_t m, int64_t x_stride, const float* blocke
 void linear_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t* blocked, const uint16_t* bias,
                  int64_t n, int64_t k, uint16_t* y, int64_t y_stride) {
     const int64_t k_pairs = (k + 1) / 2;
-    const std::vector<XElement> x_packed = pack_x<XElement>(x, m, x_stride, k, k_pairs, 2, x_element);
     auto store = [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
         uint16_t* out = y + row * y_stride + first_out;
         for (int o = 0; o < num_outs; ++o)
             out[o] = f32_to_bf16(acc[o] + (bias ? bf16_to_f32(bias[first_out + o]) : 0.0f));
     };
+    if (amx_serves(m, k)) {
+        std::vector<uint16_t> scratch(m % kTileRows ? kTileRows * k : 0);
+#pragma omp parallel
+        run_panels_amx(x, m, x_stride, blocked, k_pairs * 2 * kPanel, k_pairs, n, scratch.data(), store);
+        return;
+    }
+    const std::vector<XElement> x_packed = pack_x<XElement>(x, m, x_stride, k, k_pairs, 2, x_element);
 #pragma omp parallel
     run_panels<PanelBF16>(x_packed.data(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store);
 }
+
+// Whether bfloat16 with m rows and K = k runs on AMX tiles here (1) or on the AVX-512 kernel (0).
+int32_t linear_bf16_uses_amx(int64_t m, int64_t k) { return amx_serves(m, k); }
 
 }  // extern "C"

@@ -7,6 +7,11 @@ panels of 16 output rows interleaved along ``K``: one 64-byte load then feeds 16
 All rows are computed in one pass over the weight, so 4 rows cost about what 1 does. ``x``, ``b`` and
 ``y`` are in the weight's dtype; the sums are float32.
 
+From a few rows up the arithmetic, not the weight read, bounds a projection; bfloat16 then runs on the
+AMX tiles of CPUs that have them (Intel Sapphire Rapids and later, where Linux grants the process the
+tile state), on the same blocked weight (``uses_amx``): 64 rows of the small shape's 32 projections
+went from 16.2 ms to 2.7 ms, two threads, on a 2-core Xeon with AMX.
+
 ``small_m_linear`` is also the custom op ``strata::small_m_linear``, opaque to ``torch.compile``.
 """
 
@@ -28,12 +33,21 @@ def _library() -> ctypes.CDLL | None:
     if library is not None and library.linear_f32.argtypes is None:
         for function in (library.linear_f32, library.linear_bf16):
             function.argtypes, function.restype = _ARGTYPES, None
+        library.linear_bf16_uses_amx.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        library.linear_bf16_uses_amx.restype = ctypes.c_int32
     return library
 
 
 def can_run(dtype: torch.dtype) -> bool:
     """Whether the native kernel serves CPU weights of ``dtype`` here (False without a compiler)."""
     return dtype in _DTYPES and _library() is not None
+
+
+def uses_amx(rows: int, in_features: int) -> bool:
+    """Whether a bfloat16 ``small_m_linear`` of ``rows`` rows and ``in_features`` inputs runs on AMX
+    tiles here (the decode step's projections choose the same way)."""
+    library = _library()
+    return library is not None and bool(library.linear_bf16_uses_amx(rows, in_features))
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,13 @@
 #include <immintrin.h>
 #endif
 
+// AMX (Intel Sapphire Rapids and later): bfloat16 tiles multiplied by the core's matrix unit.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define STRATA_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 constexpr int64_t kPanel = 16;
@@ -226,6 +233,136 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
             for (int i = 0; i < rows; ++i) store(r0 + i, first_out, acc[i], num_outs);
         }
     }
+}
+
+// ---- bfloat16 on AMX tiles ----
+//
+// From a few rows up, a bfloat16 projection is bound by arithmetic, not by its weight read: at 64 rows
+// _mm512_dpbf16_ps runs no faster than float32 FMAs on a core with two FMA units. Where the CPU has AMX
+// (and Linux grants the process its tile state), the rows go through the matrix unit instead, which
+// multiplies a 16 x 32 tile of x by a 32 x 16 tile of W in one instruction. The blocked weight needs no
+// other layout: 16 consecutive K pairs of a panel, [16][16][2], are exactly the B operand of TDPBF16PS
+// (K pairs as rows, each row 16 outputs x 2). x is read as it lies, 16 rows x 32 elements per A tile.
+//
+// Tiles: 0-3 accumulate (float32) up to four tiles of 16 rows against one panel, so the panel's weight
+// streams in once for 64 rows; 4 holds the panel's K chunk; 5 and 6 take turns holding x.
+
+constexpr int64_t kTileRows = 16;       // rows of x per A and C tile
+constexpr int64_t kTileKPairs = 16;     // K pairs per tile: 32 bfloat16, one 64-byte row
+constexpr int kMaxRowTiles = 4;         // C tiles held at once
+constexpr int64_t kAmxMinRows = 5;      // fewer rows stream the weight as fast on _mm512_dpbf16_ps
+
+#ifdef STRATA_AMX
+// Linux hands out the AMX tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); a kernel that predates it, or a hypervisor that hides it, says no.
+inline bool amx_granted() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return granted;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+inline void configure_tiles() {  // per thread: the tile shapes above, every tile 16 rows of 64 bytes
+    TileConfig config{};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+// acc[t * 16 + i][o] = sum_k a[t][i][k] W[o][k] for RowTiles tiles of 16 rows (a[t]: 16 rows, each
+// 2 * k_pairs bfloat16, stride a_stride[t] bytes) against one blocked panel of k_pairs pairs.
+template <int RowTiles>
+void panel_amx(const uint16_t* const* a, const int64_t* a_stride, const uint16_t* panel, int64_t k_pairs,
+               float (*acc)[kPanel]) {
+    _tile_zero(0);
+    if constexpr (RowTiles > 1) _tile_zero(1);
+    if constexpr (RowTiles > 2) _tile_zero(2);
+    if constexpr (RowTiles > 3) _tile_zero(3);
+    for (int64_t kp = 0; kp < k_pairs; kp += kTileKPairs) {
+        _tile_loadd(4, panel + kp * 2 * kPanel, 64);
+        _tile_loadd(5, a[0] + kp * 2, a_stride[0]);
+        if constexpr (RowTiles > 1) _tile_loadd(6, a[1] + kp * 2, a_stride[1]);
+        _tile_dpbf16ps(0, 5, 4);
+        if constexpr (RowTiles > 1) _tile_dpbf16ps(1, 6, 4);
+        if constexpr (RowTiles > 2) {
+            _tile_loadd(5, a[2] + kp * 2, a_stride[2]);
+            if constexpr (RowTiles > 3) _tile_loadd(6, a[3] + kp * 2, a_stride[3]);
+            _tile_dpbf16ps(2, 5, 4);
+            if constexpr (RowTiles > 3) _tile_dpbf16ps(3, 6, 4);
+        }
+    }
+    _tile_stored(0, acc[0], 64);
+    if constexpr (RowTiles > 1) _tile_stored(1, acc[kTileRows], 64);
+    if constexpr (RowTiles > 2) _tile_stored(2, acc[2 * kTileRows], 64);
+    if constexpr (RowTiles > 3) _tile_stored(3, acc[3 * kTileRows], 64);
+}
+#endif
+
+// Whether run_panels_amx serves m rows of x against a K of k: AMX here and granted, enough rows, and K
+// in whole tiles (every hidden and intermediate size of the Llama family is a multiple of 32).
+inline bool amx_serves(int64_t m, int64_t k) {
+#ifdef STRATA_AMX
+    return m >= kAmxMinRows && k % (2 * kTileKPairs) == 0 && amx_granted();
+#else
+    (void)m, (void)k;
+    return false;
+#endif
+}
+
+// As run_panels for bfloat16, on AMX (only where amx_serves): x [m, 2 * k_pairs] as it lies, rows
+// x_stride elements apart. `scratch` holds 16 * 2 * k_pairs elements: the last, partial tile of rows,
+// zero-padded, since a tile load reads 16 rows.
+template <typename Store>
+void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t* blocked, int64_t panel_elems,
+                    int64_t k_pairs, int64_t n, uint16_t* scratch, Store store) {
+#ifdef STRATA_AMX
+    const int64_t k = 2 * k_pairs, full_tiles = m / kTileRows, tail_rows = m % kTileRows;
+    const int64_t row_tiles = full_tiles + (tail_rows > 0);
+    if (tail_rows) {
+#pragma omp single
+        {
+            std::fill(scratch, scratch + kTileRows * k, uint16_t(0));
+            for (int64_t i = 0; i < tail_rows; ++i)
+                std::memcpy(scratch + i * k, x + (full_tiles * kTileRows + i) * x_stride, k * sizeof(uint16_t));
+        }
+    }
+    auto tile_rows = [&](int64_t t) -> const uint16_t* {
+        return t < full_tiles ? x + t * kTileRows * x_stride : scratch;
+    };
+    auto tile_stride = [&](int64_t t) -> int64_t { return (t < full_tiles ? x_stride : k) * int64_t(sizeof(uint16_t)); };
+    const int64_t num_panels = (n + kPanel - 1) / kPanel;
+    bool configured = false;
+#pragma omp for schedule(dynamic, kPanelsPerGrab)
+    for (int64_t p = 0; p < num_panels; ++p) {
+        if (!configured) configure_tiles(), configured = true;
+        alignas(64) float acc[kMaxRowTiles * kTileRows][kPanel];
+        const int64_t first_out = p * kPanel;
+        const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
+        for (int64_t t0 = 0; t0 < row_tiles; t0 += kMaxRowTiles) {
+            const int tiles = int(std::min<int64_t>(kMaxRowTiles, row_tiles - t0));
+            const uint16_t* a[kMaxRowTiles];
+            int64_t a_stride[kMaxRowTiles];
+            for (int t = 0; t < tiles; ++t) a[t] = tile_rows(t0 + t), a_stride[t] = tile_stride(t0 + t);
+            const uint16_t* panel = blocked + p * panel_elems;
+            switch (tiles) {
+                case 1: panel_amx<1>(a, a_stride, panel, k_pairs, acc); break;
+                case 2: panel_amx<2>(a, a_stride, panel, k_pairs, acc); break;
+                case 3: panel_amx<3>(a, a_stride, panel, k_pairs, acc); break;
+                default: panel_amx<4>(a, a_stride, panel, k_pairs, acc); break;
+            }
+            const int64_t rows = std::min<int64_t>(tiles * kTileRows, m - t0 * kTileRows);
+            for (int64_t i = 0; i < rows; ++i) store(t0 * kTileRows + i, first_out, acc[i], num_outs);
+        }
+    }
+    if (configured) _tile_release();
+#else
+    (void)x, (void)m, (void)x_stride, (void)blocked, (void)panel_elems, (void)k_pairs, (void)n, (void)scratch,
+        (void)store;
+#endif
 }
 
 }  // namespace
