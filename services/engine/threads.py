@@ -8,29 +8,54 @@ and by the launcher for its engine children:
   milliseconds) before it sleeps, so between the many small parallel regions of a decode step the
   threads never sleep. On an idle machine that saves a wake-up per region; on a core shared with
   another busy process the spinning threads burn the time slices that the thread holding the work
-  needs, and a step takes 10-20x longer. `GOMP_SPINCOUNT` caps the spin; a user's own
-  `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is left as it is.
+  needs, and a step takes 10-20x longer. `GOMP_SPINCOUNT` caps the spin at about 0.16 ms, counted
+  for this CPU; a user's own `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is left as it is.
 - The thread count: `--num-threads`, else `OMP_NUM_THREADS` when set, else the cores this process
   may run on (its CPU affinity, which `taskset`, cgroups' cpusets and container limits narrow).
 """
 
+import ctypes
+import functools
 import logging
 import os
 from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
-# Spins before an idle OpenMP thread sleeps. One spin (a PAUSE and a load) took ~160 ns on the
-# 2-vCPU Zen 4 VM this was tuned on, so libgomp's 300,000 spin ~50 ms and 10,000 still ~1.7 ms, longer
-# than a small model's whole step; 1,000 (~0.2 ms there, less on bare metal) bridges the gaps between
-# the parallel regions of one step and lets the core go soon after it. Measured there, one stream
-# through `strata up` on the tiny model: the engine used 18-20 ms of CPU per token at 10,000, 9-14
-# at 1,000, 9-11 at 0 (passive). The price on an idle machine: the small shape's bfloat16 batch-1
-# decode step (two threads) took 7.7 ms at 1,000 spins and 5.1 ms at 10,000 alone, but 9.7 ms and
-# 27.6 ms beside one busy process (300,000: 5.0 and 18.5 ms; one thread at 1,000: 7.0 and 7.7 ms).
-# Shared cores are the case that collapses, so the default guards it; dedicated cores may spin more.
-OPENMP_SPIN_COUNT = 1_000
+# How long an idle OpenMP thread spins before it sleeps. libgomp counts spins (GOMP_SPINCOUNT), and
+# one spin (a load and a PAUSE) takes ~160 ns on the 2-vCPU Zen 4 VM this was first tuned on but
+# ~12 ns on a 2-vCPU Xeon with AMX, so the count is worked out from this time on each CPU
+# (`openmp_spin_count`). On the Zen 4, libgomp's 300,000 spins took ~50 ms, longer than a small
+# model's whole step; ~0.16 ms (1,000 spins there) bridges the gaps between the parallel regions of
+# one step and lets the core go soon after it. Measured there, one stream through `strata up` on the
+# tiny model: the engine used 18-20 ms of CPU per token at 10,000 spins, 9-14 at 1,000, 9-11 at 0
+# (passive); the small shape's bfloat16 batch-1 decode step (two threads) took 7.7 ms at 1,000 spins
+# and 5.1 ms at 10,000 alone, but 9.7 ms and 27.6 ms beside one busy process. On the Xeon, where
+# 1,000 spins last only 12 us, the engine in-process at batch 1 (small shape, the thread governor on)
+# took 4.09 ms per token in float32 and 2.38 in bfloat16 at 1,000 spins, 3.55 and 1.68 at 10,000;
+# beside one busy process 8.23 and 2.62 at 1,000, 7.05 and 2.66 at 10,000, 10.87 and 2.99 at 100,000.
+OPENMP_SPIN_SECONDS = 160e-6
+FALLBACK_SPIN_COUNT = 1_000  # where a spin cannot be timed (no C++ compiler): the Zen 4's count
+_SPIN_COUNT_RANGE = (100, 1_000_000)
 _WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+@functools.cache
+def openmp_spin_count() -> int:
+    """The GOMP_SPINCOUNT that spins for about ``OPENMP_SPIN_SECONDS`` on this CPU (two significant
+    digits), timed once per process on a copy of libgomp's wait loop (``cpu_kernels/spin.cpp``, a
+    few milliseconds); ``FALLBACK_SPIN_COUNT`` where that cannot be built."""
+    from services.engine.cpu_kernels.build import load_library
+
+    library = load_library("spin.cpp")
+    if library is None:
+        return FALLBACK_SPIN_COUNT
+    library.strata_spin_seconds.argtypes = [ctypes.c_int64]
+    library.strata_spin_seconds.restype = ctypes.c_double
+    probe = 20_000
+    seconds_per_spin = min(library.strata_spin_seconds(probe) for _ in range(5)) / probe
+    count = float(f"{OPENMP_SPIN_SECONDS / max(seconds_per_spin, 1e-12):.2g}")
+    return int(min(max(count, _SPIN_COUNT_RANGE[0]), _SPIN_COUNT_RANGE[1]))
 
 
 def openmp_wait_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -38,7 +63,7 @@ def openmp_wait_env(environ: Mapping[str, str]) -> dict[str, str]:
     names one."""
     if any(name in environ for name in _WAIT_POLICY_VARIABLES):
         return {}
-    return {"GOMP_SPINCOUNT": str(OPENMP_SPIN_COUNT)}
+    return {"GOMP_SPINCOUNT": str(openmp_spin_count())}
 
 
 def use_openmp_wait_policy() -> None:

@@ -5,6 +5,7 @@ import collections
 import itertools
 import os
 import queue
+import re
 import signal
 
 import grpc
@@ -13,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.pb import engine_pb2
-from services.engine.threads import OPENMP_SPIN_COUNT, openmp_wait_env
+from services.engine.threads import openmp_wait_env
 from tests.processes import EngineProcess, generate_request
 from tests.waiting import wait_until
 
@@ -40,7 +41,7 @@ def test_the_engine_runs_its_num_threads_with_the_short_openmp_spin(engine):
     log = engine.log_path.read_text()
     assert "engine-0: 1 kernel threads, OpenMP wait " in log
     if openmp_wait_env(os.environ):  # else this environment names its own policy, which the engine keeps
-        assert f"OpenMP wait GOMP_SPINCOUNT={OPENMP_SPIN_COUNT}\n" in log
+        assert re.search(r"OpenMP wait GOMP_SPINCOUNT=\d+\n", log)  # timed for this CPU
 
 
 def test_reflection_lists_the_engine_service(engine):
