@@ -219,9 +219,11 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
     if events is not None:
         events.connect()
     log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
-    ready = asyncio.create_task(engine_ready.wait())
-    await asyncio.wait([ready, asyncio.create_task(stop_requested.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if ready.done():
+    ready, stop = asyncio.create_task(engine_ready.wait()), asyncio.create_task(stop_requested.wait())
+    await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
+    for waiter in (ready, stop):  # a stop during loading leaves `ready` pending: no "Task was destroyed"
+        waiter.cancel()
+    if ready.done() and not ready.cancelled():
         servicer.accepting = True
         await server.set_serving()
         core = servicer.engine.core

@@ -169,6 +169,14 @@ def test_generate_many_serves_requests_as_their_own_generate_streams_would(engin
     wait_until(idle, what=lambda: f"the aborted request still holds the engine: {loads[-1]}")
 
 
+def test_sigterm_while_the_model_loads_stops_cleanly(default_model_dir, tmp_path, free_port):
+    with EngineProcess(default_model_dir, free_port, tmp_path / "engine.log") as server:
+        server.wait_until(lambda: "listening on" in server.log(), what="listening (the model loads next)")
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0
+        assert "Task was destroyed" not in server.log() and " ERROR " not in server.log(), server.log_tail()
+
+
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(default_model_dir, tmp_path, free_port):
     with EngineProcess(default_model_dir, free_port, tmp_path / "engine.log") as server:
         server.wait_serving()
