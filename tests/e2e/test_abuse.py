@@ -313,7 +313,10 @@ def test_overload_is_refused_at_once_and_the_admitted_finish(abuse_stack, http):
     assert all(r["done"] and not r["error_event"] for r in admitted)
     metrics = http.get("/metrics").text
     assert 'strata:request_errors_total{error_type="service_unavailable_error",status_code="503"}' in metrics
-    assert "strata:num_requests_admitted 0.0" in metrics
+    # Every admission is given back. A stream's slot is released when its ASGI call returns, a few event
+    # loop turns after the client read its end, so the last one may still be held at the first look.
+    wait_until(lambda: "strata:num_requests_admitted 0.0" in http.get("/metrics").text, timeout_s=5,
+               what="admissions still held after every stream ended")
 
 
 def test_no_server_error_was_ever_answered(http):

@@ -43,8 +43,11 @@ def test_autoscaling_follows_a_ramp_without_failing_a_request(default_model_dir,
     router_metrics_port = find_free_port()
     config = StackConfig(
         model=str(default_model_dir), port=find_free_port(), autoscale=True, min_replicas=1, max_replicas=3,
-        # the queue is the signal here: unbounded, not refused (--max-waiting-requests' default is 4 x 4)
-        engine_args=["--num-kv-blocks", "256", "--max-num-seqs", "4", "--enforce-eager", "--max-waiting-requests", "-1"],
+        # The queue is the signal here: unbounded, not refused (--max-waiting-requests' default is 4 x the
+        # batch). One sequence at a time and 96 tokens each keep a replica under ~15 requests/s even where a
+        # decode step takes 0.7 ms, so the ramp's 24/s builds a queue on any machine (with 4 sequences and
+        # 48 tokens a fast one kept up alone and never scaled).
+        engine_args=["--num-kv-blocks", "256", "--max-num-seqs", "1", "--enforce-eager", "--max-waiting-requests", "-1"],
         autoscaler_args=["--interval", "0.5", "--cooldown", "2", "--scale-down-stabilization", "6",
                          "--target-waiting", "2"],
         router_args=["--metrics-port", str(router_metrics_port)],
@@ -53,7 +56,7 @@ def test_autoscaling_follows_a_ramp_without_failing_a_request(default_model_dir,
         assert scrape(stack.autoscaler_metrics_url)["strata:autoscaler_current_replicas"] == 1
         bench = subprocess.run(
             [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", stack.base_url,
-             "--model", stack.model_name, "--random-input-len", "32", "--random-output-len", "48",
+             "--model", stack.model_name, "--random-input-len", "32", "--random-output-len", "96",
              "--ignore-eos",  # a random model's EOS as a first token is a stream without tokens: a failure
              "--request-rate-schedule", SCHEDULE, "--timeline-metrics-url", stack.autoscaler_metrics_url,
              "--timeline-interval", "0.5", "--save-result", "--result-dir", str(tmp_path),
