@@ -1,7 +1,6 @@
 """Fixtures shared across the test suite. Append new fixtures in clearly named functions."""
 
 import os
-import socket
 
 import pytest
 
@@ -28,6 +27,7 @@ if not _torch_sees_a_gpu():
 # engine, router and autoscaler a test starts inherits it from here.
 os.environ.setdefault("STRATA_NATS_TOKEN", "strata-tests-" + os.urandom(8).hex())
 
+from services.common.ports import find_free_port  # noqa: E402
 from services.common.supervisor import ChildProcess  # noqa: E402
 from services.default_model.model import ensure_default_model  # noqa: E402 (after the environment above)
 
@@ -36,13 +36,6 @@ from services.default_model.model import ensure_default_model  # noqa: E402 (aft
 def default_model_dir(tmp_path_factory):
     """The built-in default checkpoint, built once per session in a temporary cache (not ~/.cache)."""
     return ensure_default_model(tmp_path_factory.mktemp("strata-cache"))
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from services.autoscaler.provider import FleetState
+from services.common.ports import find_free_port
 from services.common.supervisor import ChildProcess, ChildStatus, Supervisor
 from services.common.tls import TlsFiles
 from services.engine.threads import openmp_wait_env
@@ -84,12 +85,12 @@ class LocalProcessProvider:
         self._next_id += 1
         slot = min(set(range(len(self._slot_cores))) - set(self._slots.values()), default=0)
         self._slots[name] = slot
-        address = f"{self.host}:{_free_port(self.host)}"
+        address = f"{self.host}:{find_free_port(self.host)}"
         env = openmp_wait_env(os.environ)
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(self.threads_per_replica)
         log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
-        metrics_port = _free_port(self.host)
+        metrics_port = find_free_port(self.host)
         argv = [*self.engine_argv, "--replica-id", name, "--port", address.rsplit(":", 1)[1],
                 "--metrics-port", str(metrics_port)]
         child = ChildProcess(name, argv, log_path, self.echo_logs, env, cpus=self._slot_cores[slot])
@@ -107,10 +108,3 @@ class LocalProcessProvider:
         for child in children:
             child.wait_or_kill(deadline)
 
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

@@ -23,12 +23,12 @@ once the engines, the router and the autoscaler have closed their connections to
 
 ``Stack`` is the same machinery as a library (the end-to-end tests start the stack with it). One
 concept per module: `config` (StackConfig), `stack` (Stack: the services as supervised child
-processes), `probes` (free ports and health checks), `cli` (the `strata up` command).
+processes), `probes` (health checks; free ports come from `services.common.ports`), `cli` (the `strata up` command).
 """
 
+from services.common.ports import find_free_port
 from services.launcher.cli import curl_example, engine_flags, gateway_flags, main, parse_args
 from services.launcher.config import StackConfig
-from services.launcher.probes import find_free_port
 from services.launcher.stack import Stack, StartupError, nats_server_binary
 
 __all__ = ["Stack", "StackConfig", "StartupError", "curl_example", "engine_flags", "find_free_port", "gateway_flags",

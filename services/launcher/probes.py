@@ -1,4 +1,4 @@
-"""Free ports, and whether a service answers yet: the checks `Stack` waits on and supervises with."""
+"""Whether a service answers yet: the checks `Stack` waits on and supervises with."""
 
 import socket
 import urllib.error
@@ -7,12 +7,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # services.common.tls imports grpc, which must not load before the children fork
     from services.common.tls import TlsFiles
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def tcp_open(host: str, port: int) -> bool:

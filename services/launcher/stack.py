@@ -12,10 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.common.nats_auth import TOKEN_VARIABLE, server_config
+from services.common.ports import find_free_port
 from services.common.supervisor import ChildProcess, Supervisor
 from services.engine.threads import openmp_wait_env, usable_cores
 from services.launcher.config import StackConfig
-from services.launcher.probes import find_free_port, grpc_serving, http_ok, tcp_open
+from services.launcher.probes import grpc_serving, http_ok, tcp_open
 
 # The children are forked and exec'd while this process may hold gRPC channels (health checks, or a
 # test's clients): gRPC's fork handlers would run in the child before exec and can abort it.

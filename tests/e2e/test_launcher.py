@@ -89,3 +89,17 @@ def test_every_engine_the_router_and_the_tokenizer_get_their_own_metrics_port(de
         for name in ("engine-0", "engine-1", "router", "tokenizer"):
             text = urllib.request.urlopen(stack.metrics_urls[name], timeout=5).read().decode()
             assert "strata:" in text, name
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice():
+    """A service binds its port a moment after the launcher picked it; the kernel hands ports of the
+    ephemeral range to outgoing connections meanwhile, so picks stay below it (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_start = int(f.read().split()[0])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range here")
+    ports = [find_free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    if ephemeral_start - 20_000 >= 1000:
+        assert all(20_000 <= port < ephemeral_start for port in ports), ports
