@@ -53,7 +53,12 @@ def openmp_spin_count() -> int:
     library.strata_spin_seconds.argtypes = [ctypes.c_int64]
     library.strata_spin_seconds.restype = ctypes.c_double
     probe = 20_000
-    seconds_per_spin = min(library.strata_spin_seconds(probe) for _ in range(5)) / probe
+    return spin_count_for(min(library.strata_spin_seconds(probe) for _ in range(5)) / probe)
+
+
+def spin_count_for(seconds_per_spin: float) -> int:
+    """The spins that last about ``OPENMP_SPIN_SECONDS`` at ``seconds_per_spin`` each, to two
+    significant digits, within 100 and 1,000,000."""
     count = float(f"{OPENMP_SPIN_SECONDS / max(seconds_per_spin, 1e-12):.2g}")
     return int(min(max(count, _SPIN_COUNT_RANGE[0]), _SPIN_COUNT_RANGE[1]))
 
