@@ -67,4 +67,7 @@ def test_a_small_request_beside_a_64x16_fan_out(default_model_dir, tmp_path):
     assert still_running, "the fan-out ended before the small requests were measured"
     print(f"small request TTFT: idle {idle * 1000:.1f} ms, beside a 64x16 fan-out {busy * 1000:.1f} ms "
           f"({busy / idle:.2f}x)")
-    assert busy <= max(3 * idle, idle + 0.02), (idle, busy)  # 20 ms of slack for timer noise at this scale
+    # 50 ms of slack for scheduling noise on two shared cores: with idle TTFTs of 10-25 ms, 3x alone is
+    # within that noise (CI saw 10 ms idle, 31 ms busy); a request queued behind the fan-out would wait
+    # for 256 turns of 4 sequences, each a prefill and 4 decode steps.
+    assert busy <= max(3 * idle, idle + 0.05), (idle, busy)
