@@ -1,7 +1,7 @@
 // Paged decode attention on the CPU: one new query token per request, straight over the block pool.
 //
-// A work item is a request's context chunk, attended for each kv head in turn. It reads each K/V row of
-// the chunk once for all the query heads of a GQA group, keeps float32 accumulators with an online
+// A work item is a request's context chunk, each tile of its tokens attended for every kv head. It reads
+// each K/V row of the chunk once for all the query heads of a GQA group, keeps float32 accumulators with an online
 // softmax over tiles of tokens, and either writes the normalised output (a request in one chunk) or
 // its partials (max, sum, acc per kv head) for a merge pass (a long context split in several chunks,
 // so both cores work even at batch 1).

@@ -134,6 +134,7 @@ using Scores = float[kMaxGroup][kMaxTile];
 // score[g0 + s][t] = scale * q_(g0 + s) . k_t for the Sub query heads from g0 and the tile's tokens.
 template <int Dt, int Sub>
 void score_tile(const Problem& p, const Query& q, int64_t g0, const int64_t* row, int64_t count, Scores& score) {
+  // row[t]: the element offset of token t's row of this kv head
   const int64_t dim = p.head_dim;
   for (int64_t t = 0; t < count; ++t) {
 #ifdef STRATA_AVX512
@@ -260,36 +261,43 @@ void softmax_tile(int64_t group, int64_t dim, int64_t count, Scores& score, Part
   }
 }
 
-// Attend the query heads of (req, kv_head) over context positions [lo, hi).
+// Attend every kv head's query heads of request `req` over context positions [lo, hi), into parts[kv_head].
+// The tiles of tokens are the outer loop and the kv heads the inner one: a token's rows of all kv heads
+// lie side by side in the pool, so each tile reads one contiguous span per token (a block's whole K and
+// V in order), where a pass per kv head read every 4th-8th row slice of the same blocks again and again.
 template <int Dt>
-void attend_chunk(const Problem& p, int64_t req, int64_t kv_head, int64_t lo, int64_t hi, Partial& part) {
+void attend_chunk(const Problem& p, int64_t req, int64_t lo, int64_t hi, Partial* const* parts, Query* queries) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t dim = p.head_dim;
   const int64_t row_bytes = dim * element_size<Dt>();
+  const int64_t token_bytes = p.num_kv_heads * row_bytes;  // one token's rows of every kv head
   const int64_t row_stride = p.num_kv_heads * dim;  // elements between consecutive tokens
   const int64_t* table = p.block_tables + req * p.table_stride;
   const int64_t tile = std::clamp<int64_t>(kTileBytes / row_bytes, 8, kMaxTile);
 
-  alignas(64) Query q;
   const int64_t padded_dim = (dim + 31) / 32 * 32;  // what the dot products read
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t base = req * p.q_stride_req + (kv_head * group + g) * p.q_stride_head;
-    for (int64_t d = 0; d < padded_dim; ++d) q.f32[g][d] = d < dim ? to_float<Dt>(p.q, base + d) : 0.0f;
-    const uint16_t* raw = static_cast<const uint16_t*>(p.q) + base;  // read only when q is bfloat16
-    for (int64_t d = 0; d < padded_dim; ++d) q.bf16[g][d] = Dt == kBFloat16 && d < dim ? raw[d] : 0;
-    part.max[g] = -INFINITY;
-    part.sum[g] = 0.0f;
+  for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+    Query& q = queries[kv_head];
+    Partial& part = *parts[kv_head];
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t base = req * p.q_stride_req + (kv_head * group + g) * p.q_stride_head;
+      for (int64_t d = 0; d < padded_dim; ++d) q.f32[g][d] = d < dim ? to_float<Dt>(p.q, base + d) : 0.0f;
+      const uint16_t* raw = static_cast<const uint16_t*>(p.q) + base;  // read only when q is bfloat16
+      for (int64_t d = 0; d < padded_dim; ++d) q.bf16[g][d] = Dt == kBFloat16 && d < dim ? raw[d] : 0;
+      part.max[g] = -INFINITY;
+      part.sum[g] = 0.0f;
+    }
+    std::fill(part.acc, part.acc + group * kMaxHeadDim, 0.0f);
   }
-  std::fill(part.acc, part.acc + group * kMaxHeadDim, 0.0f);
 
-  // Element offsets of the rows (K and V share them) of the tile's tokens and of the next tile's.
+  // Element offsets of the tile's tokens' rows (of kv head 0; K and V share them) and of the next tile's.
   auto find_rows = [&](int64_t start, int64_t* rows) {
     for (int64_t t = 0; t < std::min(tile, hi - start); ++t) {
       const int64_t pos = start + t;
-      rows[t] = (table[pos / p.block_size] * p.block_size + pos % p.block_size) * row_stride + kv_head * dim;
+      rows[t] = (table[pos / p.block_size] * p.block_size + pos % p.block_size) * row_stride;
     }
   };
-  int64_t rows_a[kMaxTile], rows_b[kMaxTile];
+  int64_t rows_a[kMaxTile], rows_b[kMaxTile], head_rows[kMaxTile];
   int64_t *row = rows_a, *next_row = rows_b;
   find_rows(lo, row);
   alignas(64) Scores score;
@@ -299,13 +307,17 @@ void attend_chunk(const Problem& p, int64_t req, int64_t kv_head, int64_t lo, in
     const int64_t next_count = std::min(tile, hi - start - tile);
     if (next_count > 0) find_rows(start + tile, next_row);
     for (int64_t t = 0; t < std::max(count, next_count); ++t)
-      for (int64_t line = 0; line < row_bytes; line += 64) {
+      for (int64_t line = 0; line < token_bytes; line += 64) {
         if (t < next_count) prefetch(static_cast<const char*>(p.k_cache) + next_row[t] * element_size<Dt>() + line);
         if (t < count) prefetch(static_cast<const char*>(p.v_cache) + row[t] * element_size<Dt>() + line);
       }
-    score_group<Dt>(p, q, group, row, count, score);
-    softmax_tile(group, dim, count, score, part);
-    accumulate_group<Dt>(p, group, row, count, score, part.acc);
+    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+      for (int64_t t = 0; t < count; ++t) head_rows[t] = row[t] + kv_head * dim;
+      Partial& part = *parts[kv_head];
+      score_group<Dt>(p, queries[kv_head], group, head_rows, count, score);
+      softmax_tile(group, dim, count, score, part);
+      accumulate_group<Dt>(p, group, head_rows, count, score, part.acc);
+    }
     std::swap(row, next_row);
   }
 }
@@ -340,11 +352,10 @@ void merge(const Problem& p, const Partial* chunks, int64_t num_chunks, Partial&
 
 // How one step's work is cut: each request's visible span [first, seq_len) in chunks of chunk_tokens,
 // short enough that every thread gets about kItemsPerThread items, never shorter than min_chunk_tokens;
-// a work item is a chunk with all its kv heads, one after the other, so that the K/V rows of a token
-// (every head's, side by side in the pool) are read by one thread, close together in time, where
-// (chunk, kv_head) items had two threads read the heads' quarter rows apart (a 64-row float32 step
-// ~4% faster; bfloat16 within this machine's noise). Chunks of a split request leave partials (one per
-// chunk and kv head) for a merge pass.
+// a work item is a chunk with all its kv heads, so that the K/V rows of a token (every head's, side by
+// side in the pool) are read by one thread, in one go (attend_chunk), where (chunk, kv_head) items had two
+// threads read the heads' quarter rows apart. Chunks of a split request leave partials (one per chunk
+// and kv head) for a merge pass.
 struct Plan {
   std::vector<int64_t> first, chunk_start;
   int64_t chunk_tokens = 0, num_chunks = 0;
@@ -376,7 +387,18 @@ Plan plan_chunks(const Problem& p, int64_t min_chunk_tokens, int64_t num_threads
 // one), then the merges; ends with a barrier. `partials` holds plan.num_partials(p) entries when it splits.
 template <int Dt>
 void attend(const Problem& p, const Plan& plan, Partial* partials) {
-  Partial local;
+  Partial local;  // the merge's
+  // Each thread's own state for every kv head of a work item: the query rows, and the running softmax
+  // of a request attended in one chunk (a split request's go to `partials`).
+  // Kept per thread across calls: no allocation (or zeroing) per layer and step.
+  static thread_local std::vector<Query> queries;
+  static thread_local std::vector<Partial> locals;
+  static thread_local std::vector<Partial*> parts;
+  if (int64_t(queries.size()) < p.num_kv_heads) {
+    queries.resize(p.num_kv_heads);
+    locals.resize(p.num_kv_heads);
+    parts.resize(p.num_kv_heads);
+  }
 #pragma omp for schedule(dynamic, 1)
   for (int64_t chunk = 0; chunk < plan.num_chunks; ++chunk) {
     const int64_t req =
@@ -384,11 +406,11 @@ void attend(const Problem& p, const Plan& plan, Partial* partials) {
     const int64_t lo = plan.first[req] + (chunk - plan.chunk_start[req]) * plan.chunk_tokens;
     const int64_t hi = std::min(p.seq_lens[req], lo + plan.chunk_tokens);
     const bool alone = plan.chunk_start[req + 1] - plan.chunk_start[req] == 1;
-    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-      Partial& part = alone ? local : partials[kv_head * plan.num_chunks + chunk];
-      attend_chunk<Dt>(p, req, kv_head, lo, hi, part);
-      if (alone) write_output(p, req, kv_head, part);
-    }
+    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head)
+      parts[kv_head] = alone ? &locals[kv_head] : &partials[kv_head * plan.num_chunks + chunk];
+    attend_chunk<Dt>(p, req, lo, hi, parts.data(), queries.data());
+    if (alone)
+      for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) write_output(p, req, kv_head, locals[kv_head]);
   }
   if (plan.split) {
 #pragma omp for schedule(dynamic, 1)
