@@ -79,3 +79,15 @@ def test_refuses_what_it_cannot_read():
         paged_decode(q, k_cache, v_cache, tables, seq_lens[:0], 0.125)
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         paged_decode(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("num_kv_heads, group", [(1, 8), (8, 1), (32, 1)])
+def test_one_and_many_kv_heads(dtype, num_kv_heads, group):
+    """Each tile of tokens is attended for every kv head in turn (their rows side by side in the pool):
+    multi-query attention's one kv head, and many kv heads of one query head each (multi-head)."""
+    q, k_cache, v_cache, tables, seq_lens = make_batch([5, 300, 1023], 16, num_kv_heads, group, 64, dtype, seed=2)
+    out = paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.125, None)
+    expected = paged_decode_ref(q, k_cache, v_cache, tables, seq_lens, 0.125, None)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
