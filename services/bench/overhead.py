@@ -15,6 +15,13 @@ started once; it prints every pair and the median of the pairs' ratios, the figu
 draws its requests with seed `--workload-seed` + k: both engines' prefix caches still hold the
 earlier pairs' prompts, which the same requests again would find there.
 
+Both engines hold the model and a KV pool. Where the device has no room for both at once (on the CPU:
+what loading the in-process engine took plus its whole KV pool, against what /proc/meminfo says is
+still available; on a GPU: its allocated memory against the GPU's free memory; a tenth to spare), or
+with `--run-order phased`, the in-process runs all go first, that engine is freed, and then
+the stack starts for its runs: the pairs no longer alternate, so a drift of the machine's speed
+between the phases shows in the ratios.
+
 Where the stack's time goes: the CPU each of its processes (engine, gateway, tokenizer) spent per
 generated token during the stack runs, from /proc (Linux), median over the pairs; beside it the
 clients' (this process during the stack runs) and the in-process engine's. On a machine whose cores
@@ -55,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--range-ratio", type=float, default=0.5,
                         help="lengths uniform in len·(1±r) (default: %(default)s)")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
+    parser.add_argument("--run-order", choices=("auto", "interleaved", "phased"), default="auto",
+                        help="interleaved: in-process and stack runs alternate, both engines loaded; phased: "
+                             "every in-process run, then the engine freed, then the stack's runs; auto: "
+                             "interleaved where both engines fit in memory (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the in-process and stack pair this many times, alternating, and report the "
                              "median ratio (default: %(default)s)")
@@ -147,6 +158,47 @@ def cpu_seconds(stack) -> dict[str, float]:
     return seconds
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory; None off Linux."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def available_bytes() -> int | None:
+    """The memory Linux says new work can still get (MemAvailable); None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def both_engines_fit(engine_bytes: int | None, available: int | None) -> bool:
+    """Whether a second engine of ``engine_bytes`` fits in what is still available, with a tenth to
+    spare; True when either is unknown."""
+    if engine_bytes is None or available is None:
+        return True
+    return engine_bytes * 1.1 <= available
+
+
+def _engine_and_available_bytes(llm, device: str, resident_before: int | None) -> tuple[int | None, int | None]:
+    """What the loaded in-process engine holds on its device, and what that device has free."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.memory_allocated(device), torch.cuda.mem_get_info(device)[0]
+    if resident_before is None:
+        return None, None
+    # What loading touched (the weights), plus the whole KV pool: most of it has no page yet (zeroed
+    # pages stay unmapped until a request writes them), which the runs will change.
+    kv_pool_bytes = sum(k.nbytes + v.nbytes for k, v in llm.core.model_runner.kv_caches)
+    return resident_bytes() - resident_before + kv_pool_bytes, available_bytes()
+
+
 def _engine_argv(config) -> list[str]:
     argv = ["--dtype", config.dtype, "--device", config.device, "--block-size", str(config.block_size),
             "--max-num-seqs", str(config.max_num_seqs),
@@ -206,22 +258,45 @@ def _run(args) -> int:
     workloads = [make_workload(args, vocab_size, pair) for pair in range(args.repeats)]
     print(f"{args.num_prompts} requests, {sum(workloads[0][1])} output tokens, concurrency {args.max_concurrency}"
           + (f", {args.repeats} pairs, new requests each" if args.repeats > 1 else ""), file=sys.stderr)
+    resident_before = resident_bytes()
     llm = LLM(config)
     llm.generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    engine_bytes, available = _engine_and_available_bytes(llm, config.device, resident_before)
+    phased = args.run_order == "phased" or (args.run_order == "auto" and not both_engines_fit(engine_bytes, available))
+    if phased:
+        reason = ("--run-order phased" if args.run_order == "phased" else
+                  f"the stack's engine would not fit beside this one ({engine_bytes / 2**30:.1f} GiB with its KV "
+                  f"pool, {available / 2**30:.1f} GiB available)")
+        print(f"{reason}: every in-process run first, then the stack's", file=sys.stderr)
+
+    def in_process(prompts, output_lens) -> tuple[Run, float]:
+        started_cpu = time.process_time()
+        run = run_in_process(llm, prompts, output_lens)
+        return run, time.process_time() - started_cpu
+
+    def streamed(running, prompts, output_lens) -> tuple[Run, int, dict[str, float], float]:
+        gc.collect()
+        before, started_cpu = cpu_seconds(running), time.process_time()
+        stack, failed = asyncio.run(_stream_all(running.base_url, "bench", prompts, output_lens,
+                                                args.max_concurrency))
+        after, client_cpu_s = cpu_seconds(running), time.process_time() - started_cpu
+        return stack, failed, {name: after[name] - before[name] for name in before.keys() & after.keys()}, client_cpu_s
+
     pairs = []
-    with running_stack(config, _engine_argv(config)) as running:
-        for prompts, output_lens in workloads:
-            started_cpu = time.process_time()
-            engine = run_in_process(llm, prompts, output_lens)
-            engine_cpu_s = time.process_time() - started_cpu
-            gc.collect()
-            before, started_cpu = cpu_seconds(running), time.process_time()
-            stack, failed = asyncio.run(_stream_all(running.base_url, "bench", prompts, output_lens,
-                                                    args.max_concurrency))
-            after, client_cpu_s = cpu_seconds(running), time.process_time() - started_cpu
-            pairs.append(Pair(engine, stack, failed,
-                              {name: after[name] - before[name] for name in before.keys() & after.keys()},
-                              engine_cpu_s, client_cpu_s))
+    if phased:
+        engine_runs = [in_process(prompts, output_lens) for prompts, output_lens in workloads]
+        del llm  # its weights and KV pool go back (their large tensors to the system) before the stack's engine loads
+        gc.collect()
+        with running_stack(config, _engine_argv(config)) as running:
+            for (prompts, output_lens), (engine, engine_cpu_s) in zip(workloads, engine_runs):
+                stack, failed, stack_cpu_s, client_cpu_s = streamed(running, prompts, output_lens)
+                pairs.append(Pair(engine, stack, failed, stack_cpu_s, engine_cpu_s, client_cpu_s))
+    else:
+        with running_stack(config, _engine_argv(config)) as running:
+            for prompts, output_lens in workloads:
+                engine, engine_cpu_s = in_process(prompts, output_lens)
+                stack, failed, stack_cpu_s, client_cpu_s = streamed(running, prompts, output_lens)
+                pairs.append(Pair(engine, stack, failed, stack_cpu_s, engine_cpu_s, client_cpu_s))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
     for k, pair in enumerate(pairs):

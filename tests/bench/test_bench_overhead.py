@@ -14,8 +14,10 @@ def test_pairs_alternate_and_the_median_ratio_is_reported(capsys):
     rc = main(["--shape", "tiny", "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "16",
                "--output-len", "8", "--range-ratio", "0", "--repeats", "2", "--enforce-eager",
                "--num-kv-blocks", "64", "--dtype", "float32"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert rc == 0, out
+    assert "every in-process run first" not in captured.err  # both tiny engines fit: the runs alternate
     rows = re.findall(r"^(engine in-process|gateway, streamed) #(\d)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
                       out, re.MULTILINE)
     assert [(name, k) for name, k, *_ in rows] == [("engine in-process", "1"), ("gateway, streamed", "1"),
@@ -41,3 +43,28 @@ def test_each_pair_draws_new_requests_that_no_prefix_cache_holds_yet():
     first, again, second = make_workload(args, 4096, 0), make_workload(args, 4096, 0), make_workload(args, 4096, 1)
     assert first == again  # a pair's two runs see the same requests
     assert not {tuple(p[:16]) for p in first[0]} & {tuple(p[:16]) for p in second[0]}  # no shared first block
+
+
+def test_the_stack_runs_after_the_in_process_runs_where_two_engines_would_not_fit():
+    from services.bench.overhead import both_engines_fit
+
+    gib = 2**30
+    assert both_engines_fit(4 * gib, 8 * gib)
+    assert not both_engines_fit(4 * gib, 4 * gib)  # a tenth to spare
+    assert not both_engines_fit(14 * gib, 10 * gib)  # a 7B model in bfloat16 on a 24 GiB machine
+    assert both_engines_fit(None, 8 * gib) and both_engines_fit(4 * gib, None)  # unknown: alternate
+
+
+@pytest.mark.slow
+def test_phased_runs_every_in_process_run_then_the_stack(capsys):
+    rc = main(["--shape", "tiny", "--num-prompts", "2", "--max-concurrency", "2", "--input-len", "16",
+               "--output-len", "4", "--range-ratio", "0", "--repeats", "2", "--enforce-eager",
+               "--num-kv-blocks", "64", "--dtype", "float32", "--run-order", "phased"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert "--run-order phased: every in-process run first, then the stack's" in captured.err
+    rows = re.findall(r"^(engine in-process|gateway, streamed) #(\d)\s+(\d+)", captured.out, re.MULTILINE)
+    assert [(name, k, int(tokens)) for name, k, tokens in rows] == [
+        ("engine in-process", "1", 8), ("gateway, streamed", "1", 8),
+        ("engine in-process", "2", 8), ("gateway, streamed", "2", 8)]
+    assert re.search(r"^median of 2 pairs: [\d.]+x tok/s", captured.out, re.MULTILINE)
