@@ -246,6 +246,7 @@ class Pair:
 
 
 def _run(args) -> int:
+    from services.engine.cpu_allocator import release_freed_memory
     from services.engine.engine_args import config_from_args
     from services.engine.llm import LLM
     from services.engine.models.config import load_model_config
@@ -285,8 +286,9 @@ def _run(args) -> int:
     pairs = []
     if phased:
         engine_runs = [in_process(prompts, output_lens) for prompts, output_lens in workloads]
-        del llm  # its weights and KV pool go back (their large tensors to the system) before the stack's engine loads
+        del llm  # its weights and KV pool go back to the system before the stack's engine loads
         gc.collect()
+        release_freed_memory()
         with running_stack(config, _engine_argv(config)) as running:
             for (prompts, output_lens), (engine, engine_cpu_s) in zip(workloads, engine_runs):
                 stack, failed, stack_cpu_s, client_cpu_s = streamed(running, prompts, output_lens)

@@ -32,3 +32,16 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.warning("could not tune malloc (mallopt refused); CPU steps will be slower")
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hands the memory freed so far back to the kernel (glibc's ``malloc_trim``), which the tuning
+    above otherwise keeps: for a process that has dropped an engine and starts another elsewhere.
+    Returns False (and does nothing) off glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.malloc_trim(0) >= 0)
+    except (OSError, AttributeError):
+        return False
