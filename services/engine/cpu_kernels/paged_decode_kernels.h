@@ -264,7 +264,7 @@ void softmax_tile(int64_t group, int64_t dim, int64_t count, Scores& score, Part
 // Attend every kv head's query heads of request `req` over context positions [lo, hi), into parts[kv_head].
 // The tiles of tokens are the outer loop and the kv heads the inner one: a token's rows of all kv heads
 // lie side by side in the pool, so each tile reads one contiguous span per token (a block's whole K and
-// V in order), where a pass per kv head read every 4th-8th row slice of the same blocks again and again.
+// V in order), where a pass per kv head read one row slice in num_kv_heads of the same blocks each time.
 template <int Dt>
 void attend_chunk(const Problem& p, int64_t req, int64_t lo, int64_t hi, Partial* const* parts, Query* queries) {
   const int64_t group = p.num_heads / p.num_kv_heads;
@@ -389,8 +389,8 @@ template <int Dt>
 void attend(const Problem& p, const Plan& plan, Partial* partials) {
   Partial local;  // the merge's
   // Each thread's own state for every kv head of a work item: the query rows, and the running softmax
-  // of a request attended in one chunk (a split request's go to `partials`).
-  // Kept per thread across calls: no allocation (or zeroing) per layer and step.
+  // of a request attended in one chunk (a split request's go to `partials`); kept across calls, so
+  // nothing is allocated (or zeroed) per layer and step.
   static thread_local std::vector<Query> queries;
   static thread_local std::vector<Partial> locals;
   static thread_local std::vector<Partial*> parts;
