@@ -283,22 +283,17 @@ def _run(args) -> int:
         after, client_cpu_s = cpu_seconds(running), time.process_time() - started_cpu
         return stack, failed, {name: after[name] - before[name] for name in before.keys() & after.keys()}, client_cpu_s
 
-    pairs = []
+    engine_runs = [in_process(prompts, output_lens) for prompts, output_lens in workloads] if phased else None
     if phased:
-        engine_runs = [in_process(prompts, output_lens) for prompts, output_lens in workloads]
         del llm  # its weights and KV pool go back to the system before the stack's engine loads
         gc.collect()
         release_freed_memory()
-        with running_stack(config, _engine_argv(config)) as running:
-            for (prompts, output_lens), (engine, engine_cpu_s) in zip(workloads, engine_runs):
-                stack, failed, stack_cpu_s, client_cpu_s = streamed(running, prompts, output_lens)
-                pairs.append(Pair(engine, stack, failed, stack_cpu_s, engine_cpu_s, client_cpu_s))
-    else:
-        with running_stack(config, _engine_argv(config)) as running:
-            for prompts, output_lens in workloads:
-                engine, engine_cpu_s = in_process(prompts, output_lens)
-                stack, failed, stack_cpu_s, client_cpu_s = streamed(running, prompts, output_lens)
-                pairs.append(Pair(engine, stack, failed, stack_cpu_s, engine_cpu_s, client_cpu_s))
+    pairs = []
+    with running_stack(config, _engine_argv(config)) as running:
+        for k, (prompts, output_lens) in enumerate(workloads):
+            engine, engine_cpu_s = engine_runs[k] if phased else in_process(prompts, output_lens)
+            stack, failed, stack_cpu_s, client_cpu_s = streamed(running, prompts, output_lens)
+            pairs.append(Pair(engine, stack, failed, stack_cpu_s, engine_cpu_s, client_cpu_s))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
     for k, pair in enumerate(pairs):
