@@ -221,9 +221,10 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
     log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
     ready, stop = asyncio.create_task(engine_ready.wait()), asyncio.create_task(stop_requested.wait())
     await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
+    loaded = ready.done()
     for waiter in (ready, stop):  # a stop during loading leaves `ready` pending: no "Task was destroyed"
         waiter.cancel()
-    if ready.done() and not ready.cancelled():
+    if loaded:
         servicer.accepting = True
         await server.set_serving()
         core = servicer.engine.core
