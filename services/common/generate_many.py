@@ -2,11 +2,12 @@
 
 A Generate stream per request costs a gRPC message per request and token, and grpc.aio's cost per
 message runs on the gRPC thread holding the GIL, which the engine's model thread then waits for: at
-64 streams that slowed every decode step by about a fifth. Here each request runs as its server's
-Generate would (``run_one(request)``: its outputs, or the exception its Generate call would end with),
-in a task of its own that puts its outputs in the stream's outbox, and one sender sends everything in
-the outbox as one message: an engine step delivers all its outputs in one callback on the event loop,
-so its requests' outputs leave together.
+64 streams that slowed every decode step by about a fifth. Here ``start_one(request, replies)``
+starts each request as its server's Generate would, and its outputs go to its `Replies`, which put
+them in the stream's outbox; one sender sends everything in the outbox as one message. The engine
+submits each request to its engine loop, whose one callback per step passes every request's outputs
+on (no task per request: at 64 streams the tasks' wake-ups were most of the gRPC thread's Python
+work); the router relays each request in a task of its own (`in_tasks`).
 
 A request that fails gets an error entry with the status its own Generate stream would have ended
 with (`grpc_server.status_for`, or a relayed call's own status with its parameter); the stream and
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 
@@ -29,6 +31,54 @@ from services.common.pb import engine_pb2
 log = logging.getLogger(__name__)
 
 RunOne = Callable[[engine_pb2.GenerateRequest], AsyncIterator[engine_pb2.GenerateResponse]]
+
+
+class Replies:
+    """Where one request's outputs go on its GenerateMany stream: ``output(response)`` for each, then
+    ``end()`` after the one with a finish reason, or ``fail(exception)`` (the status its own Generate
+    stream would have ended with) instead."""
+
+    def __init__(self, request_id: str, emit: Callable[[engine_pb2.GenerateManyOutput], None],
+                 ended: Callable[["Replies"], None]) -> None:
+        self.request_id, self._emit, self._ended = request_id, emit, ended
+
+    def output(self, response: engine_pb2.GenerateResponse) -> None:
+        self._emit(engine_pb2.GenerateManyOutput(request_id=self.request_id, output=response))
+
+    def fail(self, exc: Exception) -> None:
+        self._emit(engine_pb2.GenerateManyOutput(request_id=self.request_id, error=request_error(exc)))
+        self.end()
+
+    def end(self) -> None:
+        self._ended(self)
+
+
+class Started(Protocol):
+    def cancel(self) -> None:
+        """Aborts the request; nothing more reaches its `Replies`."""
+
+
+StartOne = Callable[[engine_pb2.GenerateRequest, Replies], Started]
+
+
+def in_tasks(run_one: RunOne) -> StartOne:
+    """Starts each request as a task that reads ``run_one(request)`` (its outputs, or the exception its
+    Generate call would end with) into its `Replies` (the router's relay)."""
+
+    def start(request: engine_pb2.GenerateRequest, replies: Replies) -> asyncio.Task:
+        async def run() -> None:
+            try:
+                async with contextlib.aclosing(run_one(request)) as outputs:  # aborted at once when cancelled
+                    async for output in outputs:
+                        replies.output(output)
+            except Exception as exc:
+                replies.fail(exc)
+            else:
+                replies.end()
+
+        return asyncio.create_task(run())
+
+    return start
 
 
 def request_error(exc: Exception) -> engine_pb2.RequestError:
@@ -46,43 +96,40 @@ def request_error(exc: Exception) -> engine_pb2.RequestError:
     return error
 
 
-async def serve_generate_many(run_one: RunOne, request_iterator) -> AsyncIterator[engine_pb2.GenerateManyResponse]:
-    """The GenerateMany stream over ``request_iterator``, each request run by ``run_one``."""
+async def serve_generate_many(start_one: StartOne, request_iterator) -> AsyncIterator[engine_pb2.GenerateManyResponse]:
+    """The GenerateMany stream over ``request_iterator``, each request started by ``start_one``."""
     outbox: list[engine_pb2.GenerateManyOutput] = []
     wake = asyncio.Event()
-    running: dict[str, asyncio.Task] = {}
+    running: dict[str, tuple[Replies, Started]] = {}
 
     def emit(output: engine_pb2.GenerateManyOutput) -> None:
         outbox.append(output)
         wake.set()
 
-    async def run(request: engine_pb2.GenerateRequest) -> None:
-        request_id = request.request_id
-        try:
-            async with contextlib.aclosing(run_one(request)) as outputs:  # aborted at once when cancelled
-                async for output in outputs:
-                    emit(engine_pb2.GenerateManyOutput(request_id=request_id, output=output))
-        except Exception as exc:
-            emit(engine_pb2.GenerateManyOutput(request_id=request_id, error=request_error(exc)))
-        finally:
-            if running.get(request_id) is asyncio.current_task():
-                del running[request_id]
-            wake.set()
+    def ended(replies: Replies) -> None:
+        entry = running.get(replies.request_id)
+        if entry is not None and entry[0] is replies:  # not a later request of the same id
+            del running[replies.request_id]
+        wake.set()
 
     def start(request: engine_pb2.GenerateRequest) -> None:
-        if not request.request_id or request.request_id in running:
-            problem = "is required" if not request.request_id else f"{request.request_id!r} is already running"
-            emit(engine_pb2.GenerateManyOutput(request_id=request.request_id, error=request_error(
-                InvalidRequestError(f"GenerateMany: request_id {problem}", param="request_id"))))
+        request_id = request.request_id
+        replies = Replies(request_id, emit, ended)
+        if not request_id or request_id in running:
+            problem = "is required" if not request_id else f"{request_id!r} is already running"
+            replies.fail(InvalidRequestError(f"GenerateMany: request_id {problem}", param="request_id"))
             return
-        running[request.request_id] = asyncio.create_task(run(request))
+        try:
+            running[request_id] = (replies, start_one(request, replies))
+        except Exception as exc:
+            replies.fail(exc)
 
     async def read_requests() -> None:
         async for message in request_iterator:
             for request_id in message.abort_request_ids:
-                task = running.pop(request_id, None)
-                if task is not None:
-                    task.cancel()  # leaving run_one aborts the request (the engine frees its blocks)
+                entry = running.pop(request_id, None)
+                if entry is not None:
+                    entry[1].cancel()  # the engine aborts the request (frees its blocks)
             for request in message.requests:
                 start(request)
 
@@ -102,5 +149,5 @@ async def serve_generate_many(run_one: RunOne, request_iterator) -> AsyncIterato
                 wake.clear()
     finally:
         reader.cancel()
-        for task in running.values():
-            task.cancel()
+        for _, started in running.values():
+            started.cancel()

@@ -1,5 +1,6 @@
 """The asyncio facade over `EngineCore`: the engine loop runs in a thread of its own, requests and
-aborts reach it through a thread-safe inbox, outputs come back to per-request asyncio queues.
+aborts reach it through a thread-safe inbox, outputs come back on the requests' event loop: to a queue
+per request that `generate()` iterates, or to the callback each request was `submit()`ted with.
 
 Run the loop on the process's main thread when you can (`run()`, with asyncio in another thread):
 on CPU, steps driven from the main thread are ~20% faster, because OpenMP keeps the worker threads
@@ -24,7 +25,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from opentelemetry.trace import SpanContext
@@ -127,9 +128,50 @@ class AsyncEngine:
         span_context: SpanContext | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``span_context``: the request's span, which the step spans link to (with a step tracer)."""
+        stream: asyncio.Queue = asyncio.Queue()
+        self._open(request_id, prompt_token_ids, params, cache_salt, fairness_key, span_context, stream)
+        gate = _StreamInterval(self.stream_interval)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                while isinstance(item, RequestOutput) and not item.finished and not stream.empty():
+                    item = _merge(item, stream.get_nowait())  # a slow consumer gets fewer, bigger outputs
+                item = gate.admit(item)
+                if item is None:
+                    continue
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._close(request_id, finished)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        on_output: Callable[[RequestOutput | BaseException], None],
+        cache_salt: str = "",
+        fairness_key: str = "",
+    ) -> "SubmittedRequest":
+        """`generate()` for a caller that takes the outputs as they come instead of iterating them in a
+        task of each request's own (GenerateMany: one callback per step delivers every request's
+        outputs): ``on_output`` runs on the calling event loop with each output generate() would yield,
+        up to the one with a finish reason, or with the exception it would raise instead. Validation and
+        admission raise here, as generate() raises them; the handle's ``cancel()`` aborts the request."""
+        submitted = SubmittedRequest(self, request_id, on_output)
+        self._open(request_id, prompt_token_ids, params, cache_salt, fairness_key, None, submitted)
+        return submitted
+
+    def _open(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str,
+              fairness_key: str, span_context: SpanContext | None, sink) -> None:
+        """Validates and admits the request, and queues it for the engine thread; its outputs (and an
+        error) go to ``sink.put_nowait`` on the calling event loop."""
         arrival_time = time.monotonic()
         self.core.validate(prompt_token_ids, params)
-        stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
@@ -138,37 +180,22 @@ class AsyncEngine:
                     f"the engine is at capacity: {len(self._streams)} requests running or waiting "
                     f"(--max-num-seqs {self.core.config.max_num_seqs} + --max-waiting-requests "
                     f"{self.core.config.max_waiting_requests}); retry later")
-            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+            self._streams[request_id] = (asyncio.get_running_loop(), sink)
         if self._step_tracer is not None and span_context is not None:
             self._step_tracer.register(request_id, span_context)
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, fairness_key, arrival_time))
-        finished, held, sent_any = False, None, False
-        try:
-            while not finished:
-                item = await stream.get()
-                if held is not None:
-                    item, held = _merge(held, item), None
-                while isinstance(item, RequestOutput) and not item.finished and not stream.empty():
-                    item = _merge(item, stream.get_nowait())  # a slow consumer gets fewer, bigger outputs
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                if not finished and sent_any and len(item.new_token_ids) < self.stream_interval:
-                    held = item  # --stream-interval: the first token at once, then every N tokens, and the last
-                    continue
-                sent_any = sent_any or bool(item.new_token_ids)
-                yield item
-        finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-                idle = not self._streams
-            if idle and self._idle is not None:
-                self._idle.set()
-            if self._step_tracer is not None:
-                self._step_tracer.forget(request_id)
-            if not finished:
-                self._inbox.put(_Abort(request_id))
+
+    def _close(self, request_id: str, finished: bool) -> None:
+        """The request's outputs are no longer wanted: aborted (its blocks freed) unless ``finished``."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+            idle = not self._streams
+        if idle and self._idle is not None:
+            self._idle.set()
+        if self._step_tracer is not None:
+            self._step_tracer.forget(request_id)
+        if not finished:
+            self._inbox.put(_Abort(request_id))
 
     # --- engine thread ---
 
@@ -241,6 +268,54 @@ class AsyncEngine:
         for request_id in request_ids:
             self.core.abort(request_id)
             self._deliver_error(request_id, exc)
+
+
+class SubmittedRequest:
+    """A request started with `AsyncEngine.submit`: passes its outputs on as they arrive on the event loop."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, on_output) -> None:
+        self._engine, self._request_id, self._on_output = engine, request_id, on_output
+        self._gate = _StreamInterval(engine.stream_interval)
+        self.done = False
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        """An output or error from the engine thread (the request's sink, as generate()'s queue)."""
+        if self.done:
+            return
+        item = self._gate.admit(item)
+        if item is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            self.done = True
+            self._engine._close(self._request_id, finished=True)
+        self._on_output(item)
+
+    def cancel(self) -> None:
+        """Aborts the request unless it already ended; no output is passed on after this."""
+        if not self.done:
+            self.done = True
+            self._engine._close(self._request_id, finished=False)
+
+
+class _StreamInterval:
+    """--stream-interval for one request: the first token at once, then an output per N tokens, and the
+    last (and an error) at once; ``admit`` returns what to pass on now, or None while it holds tokens."""
+
+    def __init__(self, interval: int) -> None:
+        self._interval = interval
+        self._held: RequestOutput | None = None
+        self._sent_any = False
+
+    def admit(self, item: RequestOutput | BaseException) -> RequestOutput | BaseException | None:
+        if self._held is not None:
+            item, self._held = _merge(self._held, item), None
+        if isinstance(item, BaseException) or item.finished:
+            return item
+        if self._sent_any and len(item.new_token_ids) < self._interval:
+            self._held = item
+            return None
+        self._sent_any = self._sent_any or bool(item.new_token_ids)
+        return item
 
 
 def _merge(earlier: RequestOutput, later: RequestOutput | BaseException) -> RequestOutput | BaseException:

@@ -18,17 +18,18 @@ from opentelemetry import trace
 
 from services.common import request_id as request_ids
 from services.common.errors import ServiceUnavailableError
-from services.common.generate_many import serve_generate_many
+from services.common.generate_many import Replies, serve_generate_many
 from services.common.grpc_server import GrpcServer
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.tls import TlsFiles
-from services.engine.async_engine import AsyncEngine
+from services.engine.async_engine import AsyncEngine, SubmittedRequest
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import EngineEvents
 from services.engine.protocol import load_report, output_to_proto, sampling_params_from_proto
 from services.engine.request import RequestTimes
+from services.engine.scheduler_output import RequestOutput
 from services.engine.stats_logger import StatsLogger
 from services.engine.step_tracing import StepTracer
 from services.engine.threads import openmp_wait_description, set_num_threads
@@ -77,17 +78,26 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             yield output_to_proto(output, self.config.replica_id)
 
     async def GenerateMany(self, request_iterator, context):
-        async for response in serve_generate_many(self._one_of_many, request_iterator):
+        async for response in serve_generate_many(self._start_one_of_many, request_iterator):
             yield response
 
-    async def _one_of_many(self, request: engine_pb2.GenerateRequest):
-        """A GenerateMany request's outputs (`services/common/generate_many`): as Generate's, untraced."""
+    def _start_one_of_many(self, request: engine_pb2.GenerateRequest, replies: Replies) -> SubmittedRequest:
+        """Starts a GenerateMany request (`services/common/generate_many`): as Generate's, untraced; each
+        output goes to ``replies`` from the engine loop's callback, without a task of the request's own."""
+        def on_output(output: RequestOutput | BaseException) -> None:
+            if isinstance(output, BaseException):
+                replies.fail(output)
+                return
+            replies.output(output_to_proto(output, replica_id))
+            if output.finished:
+                replies.end()
+
+        replica_id = self.config.replica_id
         with request_ids.bound(request.request_id):  # its log lines carry its id, as a Generate call's do
             engine = self._ready_engine()
             params = sampling_params_from_proto(request)
-            async for output in engine.generate(request.request_id, list(request.prompt_token_ids), params,
-                                                request.cache_salt, request.fairness_key):
-                yield output_to_proto(output, self.config.replica_id)
+            return engine.submit(request.request_id, list(request.prompt_token_ids), params, on_output,
+                                 request.cache_salt, request.fairness_key)
 
     async def Info(self, request: engine_pb2.EngineInfoRequest, context) -> engine_pb2.EngineInfoResponse:
         if self.engine is None:

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from services.common import client_span, error_details
 from services.common.errors import ResourceExhaustedError, ServiceUnavailableError
 from services.common.event_subjects import ALL_KV_EVENTS, ALL_LOAD_REPORTS
-from services.common.generate_many import serve_generate_many
+from services.common.generate_many import in_tasks, serve_generate_many
 from services.common.grpc_server import GrpcServer
 from services.common.nats_auth import connect_options, is_authenticated
 from services.common.nats_logging import connection_callbacks
@@ -99,7 +99,7 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
     async def GenerateMany(self, request_iterator, context):
         """Many requests on one stream (`services/common/generate_many`), each placed and relayed as
         Generate places and relays it."""
-        async for response in serve_generate_many(self._relay, request_iterator):
+        async for response in serve_generate_many(in_tasks(self._relay), request_iterator):
             yield response
 
     def _call(self, replica: Replica, request: engine_pb2.GenerateRequest):

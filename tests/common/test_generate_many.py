@@ -9,7 +9,7 @@ import asyncio
 import grpc
 
 from services.common.errors import InvalidRequestError
-from services.common.generate_many import serve_generate_many
+from services.common.generate_many import in_tasks, serve_generate_many
 from services.common.pb import engine_pb2
 from services.common.shared_generate import status_error
 
@@ -30,7 +30,7 @@ async def one_message(*request_ids: str):
 def test_the_stream_ends_when_its_requests_end_in_the_turn_of_their_last_output():
     async def run():
         replies = []
-        async for reply in serve_generate_many(run_one, one_message("a", "b", "refused", "relayed-refusal")):
+        async for reply in serve_generate_many(in_tasks(run_one), one_message("a", "b", "refused", "relayed-refusal")):
             replies.append(reply)
         return replies
 

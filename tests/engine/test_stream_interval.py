@@ -1,6 +1,7 @@
 """--stream-interval (as vLLM's): a request's first token goes out at once, then one output per N
 tokens, and the finish with whatever is left; the tokens and their logprobs are the same as with
-every token streamed."""
+every token streamed. Both ways of taking a request's outputs keep it: iterating `generate()` and
+the callback of `submit()` (GenerateMany's)."""
 
 import asyncio
 
@@ -12,7 +13,7 @@ from services.engine.engine_core import EngineCore
 from services.engine.sampling_params import SamplingParams
 
 
-def stream(default_model_dir, interval: int, max_tokens: int):
+def stream(default_model_dir, interval: int, max_tokens: int, via: str = "generate"):
     core = EngineCore(EngineConfig(model=str(default_model_dir), max_num_seqs=2, num_kv_blocks=64,
                                    enforce_eager=True, stream_interval=interval))
     engine = AsyncEngine(core)
@@ -20,7 +21,23 @@ def stream(default_model_dir, interval: int, max_tokens: int):
 
     async def collect():
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, logprobs=1)
-        return [output async for output in engine.generate("r", [3, 4, 5, 6], params)]
+        if via == "generate":
+            return [output async for output in engine.generate("r", [3, 4, 5, 6], params)]
+        outputs, done = [], asyncio.get_running_loop().create_future()
+
+        def on_output(output) -> None:
+            assert not done.done(), "an output after the last"
+            if isinstance(output, BaseException):
+                done.set_exception(output)
+                return
+            outputs.append(output)
+            if output.finished:
+                done.set_result(outputs)
+
+        engine.submit("r", [3, 4, 5, 6], params, on_output)
+        await done
+        await asyncio.sleep(0.05)  # nothing more comes
+        return outputs
 
     try:
         return asyncio.run(collect())
@@ -28,9 +45,10 @@ def stream(default_model_dir, interval: int, max_tokens: int):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("via", ["generate", "submit"])
 @pytest.mark.parametrize("interval, max_tokens", [(3, 9), (4, 5), (8, 3)])
-def test_outputs_carry_the_first_token_then_n_at_a_time_then_the_rest(default_model_dir, interval, max_tokens):
-    outputs = stream(default_model_dir, interval, max_tokens)
+def test_outputs_carry_the_first_token_then_n_at_a_time_then_the_rest(default_model_dir, interval, max_tokens, via):
+    outputs = stream(default_model_dir, interval, max_tokens, via)
     every_token = stream(default_model_dir, 1, max_tokens)
     sizes = [len(o.new_token_ids) for o in outputs if o.new_token_ids]
     # The first output as soon as it is read (one token, or more if the reader fell behind: a consumer
