@@ -15,10 +15,12 @@ when --max-num-seqs + --max-waiting-requests requests are already in), then yiel
 the request's outputs until the one with a finish reason: the first token at once, then one output per
 ``--stream-interval`` tokens (as vLLM's flag: fewer messages through the stack per token; 1: every step),
 and the finish. Leaving the iteration early (the caller
-is cancelled or closes it) aborts the request, which frees its KV blocks.
+is cancelled or closes it) aborts the request, which frees its KV blocks. `submit()` keeps the same
+contract with a callback in place of the iteration, and its handle's `cancel()` in place of leaving it.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -285,10 +287,18 @@ class SubmittedRequest:
         item = self._gate.admit(item)
         if item is None:
             return
-        if isinstance(item, BaseException) or item.finished:
+        ended = isinstance(item, BaseException) or item.finished
+        if ended:
             self.done = True
             self._engine._close(self._request_id, finished=True)
-        self._on_output(item)
+        try:
+            self._on_output(item)
+        except Exception as exc:  # a bug in the callback: this request ends with it, the step's others go on
+            logger.exception("request %s: passing its output on failed", self._request_id)
+            if not ended:
+                self.cancel()
+                with contextlib.suppress(Exception):
+                    self._on_output(exc)
 
     def cancel(self) -> None:
         """Aborts the request unless it already ended; no output is passed on after this."""
