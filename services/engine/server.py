@@ -84,6 +84,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def _start_one_of_many(self, request: engine_pb2.GenerateRequest, replies: Replies) -> SubmittedRequest:
         """Starts a GenerateMany request (`services/common/generate_many`): as Generate's, untraced; each
         output goes to ``replies`` from the engine loop's callback, without a task of the request's own."""
+        replica_id = self.config.replica_id
+
         def on_output(output: RequestOutput | BaseException) -> None:
             if isinstance(output, BaseException):
                 replies.fail(output)
@@ -92,7 +94,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if output.finished:
                 replies.end()
 
-        replica_id = self.config.replica_id
         with request_ids.bound(request.request_id):  # its log lines carry its id, as a Generate call's do
             engine = self._ready_engine()
             params = sampling_params_from_proto(request)
