@@ -3,15 +3,16 @@
 Order, as in vLLM: raw logits → (logprobs of the raw distribution) → min_tokens eos/stop mask →
 repetition, frequency and presence penalties → logit_bias → the structured-output mask (tokens that
 would break a request's constraint) → greedy argmax, or temperature → min_p →
-top_k → top_p → a draw. Draws use the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), so a
-request with a seed draws its noise only from its own ``torch.Generator``: the same seed gives the
-same tokens alone or in any batch. The sampler owns those generators, keyed by request id; the
-engine calls ``free(request_id)`` when a request finishes.
+top_k → top_p → a draw. A draw takes one uniform number per request (inverse transform sampling,
+``inverse_cdf.py``), and a request with a seed takes it only from its own ``torch.Generator``: the
+same seed gives the same tokens alone or in any batch. The sampler owns those generators, keyed by
+request id; the engine calls ``free(request_id)`` when a request finishes.
 """
 
 import numpy as np
 import torch
 
+from services.engine.inverse_cdf import inverse_cdf_draw
 from services.engine.request import Request
 from services.engine.scheduler_output import SampledLogprobs
 from services.engine.structured_output.masks import StepMasks
@@ -87,23 +88,24 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        greedy = logits.argmax(dim=-1)  # [n]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
-            return greedy
+            return logits.argmax(dim=-1)
+        every_row = len(random_rows) == len(params)
         rows = torch.tensor(random_rows, device=self.device)
         chosen = [params[i] for i in random_rows]
-        probs = self.probabilities(logits.index_select(0, rows), chosen)  # [m, vocab]
-        noise = torch.empty_like(probs)
+        probs = self.probabilities(logits if every_row else logits.index_select(0, rows), chosen)  # [m, vocab]
+        uniforms = torch.empty(len(chosen), dtype=torch.float64, device=self.device)
         unseeded = [j for j, p in enumerate(chosen) if p.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=self.device).exponential_(
-                generator=self.generator)
+            uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=self.device,
+                                            generator=self.generator)
         for j, p in enumerate(chosen):
             if p.seed is not None:
-                noise[j].exponential_(generator=self._request_generator(requests[random_rows[j]]))
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw must not turn p = 0 into inf
-        return greedy.index_copy(0, rows, (probs / noise).argmax(dim=-1))
+                uniforms[j] = torch.rand(1, dtype=torch.float64, device=self.device,
+                                         generator=self._request_generator(requests[random_rows[j]]))[0]
+        drawn = inverse_cdf_draw(probs, uniforms)
+        return drawn if every_row else logits.argmax(dim=-1).index_copy(0, rows, drawn)
 
     def probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Temperature, then min_p, top_k and top_p masks; returns the renormalised distribution."""
