@@ -62,6 +62,31 @@ constexpr int64_t element_size() { return Dt == kFloat32 ? 4 : 2; }
 
 inline void prefetch(const char* address) { __builtin_prefetch(address, 0, 2); }
 
+// The cache lines of the next tile's K and V rows, asked for a few at a time while the current tile
+// is computed. Asked for all at once, a tile's lines (hundreds) outnumber the misses a core can keep
+// in flight, so the core stalls issuing them, and then computes with nothing in flight; spread over
+// the tile's tokens, the reads overlap the arithmetic.
+struct LineFeed {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const int64_t* rows = nullptr;  // element offsets of the tokens' rows (of kv head 0)
+  int64_t element_bytes = 0, lines_per_token = 0, next = 0, total = 0;
+
+  void start(const char* k_pool, const char* v_pool, const int64_t* token_rows, int64_t count, int64_t elem,
+             int64_t token_bytes) {
+    k = k_pool, v = v_pool, rows = token_rows, element_bytes = elem;
+    lines_per_token = (token_bytes + 63) / 64;
+    next = 0, total = count * lines_per_token;
+  }
+  void ask(int64_t lines) {  // the next `lines` lines of K and of V
+    for (const int64_t end = std::min(total, next + lines); next < end; ++next) {
+      const int64_t offset = rows[next / lines_per_token] * element_bytes + next % lines_per_token * 64;
+      prefetch(k + offset);
+      prefetch(v + offset);
+    }
+  }
+};
+
 template <int Dt>
 inline float to_float(const void* p, int64_t i);
 template <>
@@ -133,10 +158,12 @@ using Scores = float[kMaxGroup][kMaxTile];
 
 // score[g0 + s][t] = scale * q_(g0 + s) . k_t for the Sub query heads from g0 and the tile's tokens.
 template <int Dt, int Sub>
-void score_tile(const Problem& p, const Query& q, int64_t g0, const int64_t* row, int64_t count, Scores& score) {
+void score_tile(const Problem& p, const Query& q, int64_t g0, const int64_t* row, int64_t count, Scores& score,
+                LineFeed& feed, int64_t lines_per_token) {
   // row[t]: the element offset of token t's row of this kv head
   const int64_t dim = p.head_dim;
   for (int64_t t = 0; t < count; ++t) {
+    feed.ask(lines_per_token);
 #ifdef STRATA_AVX512
     __m512 dot[Sub];
     for (int s = 0; s < Sub; ++s) dot[s] = _mm512_setzero_ps();
@@ -210,13 +237,14 @@ void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t c
 // Both tile passes over the group, in sub-groups of 8, 4, 2 and 1 heads (their K/V rows are in cache
 // after the first).
 template <int Dt>
-void score_group(const Problem& p, const Query& q, int64_t group, const int64_t* row, int64_t count, Scores& score) {
+void score_group(const Problem& p, const Query& q, int64_t group, const int64_t* row, int64_t count, Scores& score,
+                 LineFeed& feed, int64_t lines_per_token) {
   for (int64_t g0 = 0; g0 < group;) {
     const int64_t left = group - g0;
-    if (left >= 8) { score_tile<Dt, 8>(p, q, g0, row, count, score); g0 += 8; }
-    else if (left >= 4) { score_tile<Dt, 4>(p, q, g0, row, count, score); g0 += 4; }
-    else if (left >= 2) { score_tile<Dt, 2>(p, q, g0, row, count, score); g0 += 2; }
-    else { score_tile<Dt, 1>(p, q, g0, row, count, score); g0 += 1; }
+    if (left >= 8) { score_tile<Dt, 8>(p, q, g0, row, count, score, feed, lines_per_token); g0 += 8; }
+    else if (left >= 4) { score_tile<Dt, 4>(p, q, g0, row, count, score, feed, lines_per_token); g0 += 4; }
+    else if (left >= 2) { score_tile<Dt, 2>(p, q, g0, row, count, score, feed, lines_per_token); g0 += 2; }
+    else { score_tile<Dt, 1>(p, q, g0, row, count, score, feed, lines_per_token); g0 += 1; }
   }
 }
 
@@ -299,25 +327,30 @@ void attend_chunk(const Problem& p, int64_t req, int64_t lo, int64_t hi, Partial
   };
   int64_t rows_a[kMaxTile], rows_b[kMaxTile], head_rows[kMaxTile];
   int64_t *row = rows_a, *next_row = rows_b;
+  const char* k_pool = static_cast<const char*>(p.k_cache);
+  const char* v_pool = static_cast<const char*>(p.v_cache);
+  // Blocks are scattered over the pool: the first tile's K and V rows are asked for now, each next
+  // tile's a few lines per token scored in the tile before it.
+  LineFeed feed;
   find_rows(lo, row);
+  feed.start(k_pool, v_pool, row, std::min(tile, hi - lo), element_size<Dt>(), token_bytes);
+  feed.ask(feed.total);
   alignas(64) Scores score;
   for (int64_t start = lo; start < hi; start += tile) {
     const int64_t count = std::min(tile, hi - start);
-    // Blocks are scattered over the pool: ask for the next tile's K rows and this tile's V rows early.
-    const int64_t next_count = std::min(tile, hi - start - tile);
+    const int64_t next_count = std::max<int64_t>(0, std::min(tile, hi - start - tile));
     if (next_count > 0) find_rows(start + tile, next_row);
-    for (int64_t t = 0; t < std::max(count, next_count); ++t)
-      for (int64_t line = 0; line < token_bytes; line += 64) {
-        if (t < next_count) prefetch(static_cast<const char*>(p.k_cache) + next_row[t] * element_size<Dt>() + line);
-        if (t < count) prefetch(static_cast<const char*>(p.v_cache) + row[t] * element_size<Dt>() + line);
-      }
+    feed.start(k_pool, v_pool, next_row, next_count, element_size<Dt>(), token_bytes);
+    const int64_t scored = p.num_kv_heads * count * ((group + 7) / 8);  // score_tile's token passes, at least
+    const int64_t lines_per_pass = (feed.total + scored - 1) / scored;
     for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
       for (int64_t t = 0; t < count; ++t) head_rows[t] = row[t] + kv_head * dim;
       Partial& part = *parts[kv_head];
-      score_group<Dt>(p, queries[kv_head], group, head_rows, count, score);
+      score_group<Dt>(p, queries[kv_head], group, head_rows, count, score, feed, lines_per_pass);
       softmax_tile(group, dim, count, score, part);
       accumulate_group<Dt>(p, group, head_rows, count, score, part.acc);
     }
+    feed.ask(feed.total);  // what the passes left
     std::swap(row, next_row);
   }
 }
