@@ -102,7 +102,7 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
       pack_x_into<float>(packed, x, m, k, k, k, 1, [](float v) { return v; });
       xp = packed;
     }
-    run_panels<PanelF32>(xp, m, k, static_cast<const float*>(blocked), k * kPanel, k, n, store);
+    run_panels_f32(xp, m, k, static_cast<const float*>(blocked), k * kPanel, k, n, store);
   } else {
     const int64_t k_pairs = (k + 1) / 2;
     if (amx_serves(m, k)) {

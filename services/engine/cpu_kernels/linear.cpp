@@ -24,7 +24,7 @@ void linear_f32(const float* x, int64_t m, int64_t x_stride, const float* blocke
         for (int o = 0; o < num_outs; ++o) out[o] = acc[o] + (bias ? bias[first_out + o] : 0.0f);
     };
 #pragma omp parallel
-    run_panels<PanelF32>(x_packed.data(), m, k, blocked, k * kPanel, k, n, store);
+    run_panels_f32(x_packed.data(), m, k, blocked, k * kPanel, k, n, store);
 }
 
 // As linear_f32 with bfloat16 x, bias and y (as uint16 bits); blocked: [ceil(n / 16), ceil(k / 2), 16, 2].

@@ -87,6 +87,38 @@ void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[
 #endif
 }
 
+// As panel_f32 for two adjacent panels at once (the second `panel_elems` after the first), their sums
+// in acc[i] and acc[kRowsPerPass + i]: each broadcast of x feeds two FMAs and 2 * MR independent sums
+// hide the FMA latency (8 rows x 2 panels: 10 loads per 16 FMAs, where one panel took 9 per 8). Each
+// output's sum runs in the same order as panel_f32's, so the results are the same bits.
+template <int MR>
+void panel_pair_f32(const float* x_pass, const float* panel, int64_t panel_elems, int64_t k, float (*acc)[kPanel]) {
+#ifdef __AVX512F__
+    if constexpr (MR > 1) {
+        const float* second = panel + panel_elems;
+        __m512 sum0[MR], sum1[MR];
+        for (int i = 0; i < MR; ++i) sum0[i] = sum1[i] = _mm512_setzero_ps();
+        for (int64_t kk = 0; kk < k; ++kk) {
+            prefetch(panel + kk * kPanel);
+            prefetch(second + kk * kPanel);
+            const __m512 w0 = _mm512_loadu_ps(panel + kk * kPanel), w1 = _mm512_loadu_ps(second + kk * kPanel);
+            for (int i = 0; i < MR; ++i) {
+                const __m512 xb = _mm512_set1_ps(x_pass[kk * MR + i]);
+                sum0[i] = _mm512_fmadd_ps(xb, w0, sum0[i]);
+                sum1[i] = _mm512_fmadd_ps(xb, w1, sum1[i]);
+            }
+        }
+        for (int i = 0; i < MR; ++i) {
+            _mm512_storeu_ps(acc[i], sum0[i]);
+            _mm512_storeu_ps(acc[kRowsPerPass + i], sum1[i]);
+        }
+        return;
+    }
+#endif
+    panel_f32<MR>(x_pass, panel, k, acc);  // one row (its own kChains sums), or no AVX-512
+    panel_f32<MR>(x_pass, panel + panel_elems, k, acc + kRowsPerPass);
+}
+
 // The bfloat16 elements of x, as the kernel reads them: bf16 where the CPU multiplies bf16 pairs
 // natively, float32 elsewhere.
 #ifdef __AVX512BF16__
@@ -182,6 +214,13 @@ struct PanelF32 {
 };
 
 template <int MR>
+struct PanelPairF32 {
+    static void run(const float* x_pass, const float* panel, int64_t panel_elems, int64_t k, float (*acc)[kPanel]) {
+        panel_pair_f32<MR>(x_pass, panel, panel_elems, k, acc);
+    }
+};
+
+template <int MR>
 struct PanelBF16 {
     static void run(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
         panel_bf16<MR>(x_pass, panel, k_pairs, acc);
@@ -231,6 +270,39 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
             const int rows = int(std::min<int64_t>(kRowsPerPass, m - r0));
             dispatch_rows<PanelKernel>(rows, x_packed + r0 * x_pass_stride, blocked + p * panel_elems, k_steps, acc);
             for (int i = 0; i < rows; ++i) store(r0 + i, first_out, acc[i], num_outs);
+        }
+    }
+}
+
+// run_panels for float32, from two rows up two panels at a time (panel_pair_f32; a last odd panel goes
+// alone). One row is bound by the weight read, not the arithmetic: it keeps run_panels.
+template <typename Store>
+void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, const float* blocked,
+                    int64_t panel_elems, int64_t k, int64_t n, Store store) {
+    if (m == 1) {
+        run_panels<PanelF32>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store);
+        return;
+    }
+    const int64_t num_panels = (n + kPanel - 1) / kPanel;
+    const int64_t num_pairs = (num_panels + 1) / 2;
+#pragma omp for schedule(dynamic, kPanelsPerGrab / 2)
+    for (int64_t pair = 0; pair < num_pairs; ++pair) {
+        alignas(64) float acc[2 * kRowsPerPass][kPanel];
+        const int64_t first_panel = 2 * pair;
+        const int panels = first_panel + 1 < num_panels ? 2 : 1;
+        const float* panel = blocked + first_panel * panel_elems;
+        for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
+            const int rows = int(std::min<int64_t>(kRowsPerPass, m - r0));
+            const float* x_pass = x_packed + r0 * x_pass_stride;
+            if (panels == 2)
+                dispatch_rows<PanelPairF32>(rows, x_pass, panel, panel_elems, k, acc);
+            else
+                dispatch_rows<PanelF32>(rows, x_pass, panel, k, acc);
+            for (int j = 0; j < panels; ++j) {
+                const int64_t first_out = (first_panel + j) * kPanel;
+                const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
+                for (int i = 0; i < rows; ++i) store(r0 + i, first_out, acc[j * kRowsPerPass + i], num_outs);
+            }
         }
     }
 }
