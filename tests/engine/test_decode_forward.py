@@ -4,6 +4,8 @@ Qwen2 (q/k/v bias, tied embeddings) and Mistral (sliding window), float32 and bf
 short and long contexts (split across threads and merged); the runner routes decode-only steps to
 it and everything else to the torch forward."""
 
+import os
+
 import pytest
 import torch
 
@@ -90,3 +92,29 @@ def test_only_decode_only_steps_run_natively(checkpoint, monkeypatch):
 
 def test_unsupported_dtype_keeps_the_torch_forward(checkpoint):
     assert make_runner(checkpoint, "float16").decode_step is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_more_threads_than_cores_compute_the_same_bits(checkpoint, dtype):
+    """Threads beyond the cores are taken away by the OS all the time, mid-step: a phase then ends
+    without them (work_split.h's ProgressSplit) and they catch up later. Each work item is computed
+    the same way whichever thread takes it, so with contexts too short to split, the step's output
+    is the same bits on one thread as on many."""
+    runner = make_runner(checkpoint, dtype)
+    requests, tables = prefill([runner], list(range(1, 40, 3)))
+    step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests, tables)])
+    batch = runner._prepare(step.chunks)
+    md = batch.metadata
+
+    def hidden() -> torch.Tensor:
+        return runner.decode_step(batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = hidden()
+        torch.set_num_threads(2 * len(os.sched_getaffinity(0)) + 1)
+        for _ in range(10):
+            assert torch.equal(hidden(), alone)
+    finally:
+        torch.set_num_threads(threads)

@@ -4,8 +4,9 @@
 // A decode step at small batch is a chain of many short operations (the projections stream their
 // weights in tens of microseconds, the norms, rotary and activation take a few), so what it costs
 // beyond the weight reads is the cost of starting each one: a call from Python, an OpenMP region whose
-// idle threads may have gone to sleep, a temporary tensor. Here the threads enter one region and meet
-// at a barrier between the phases of each layer:
+// idle threads may have gone to sleep, a temporary tensor. Here the threads enter one region and go
+// through the phases of each layer together, a phase ending when its last item is done (ProgressSplit,
+// work_split.h: a thread the OS took away between items holds nobody up):
 //
 //   norm(residual + x) -> qkv -> rotary, K/V store -> paged attention -> o -> norm(residual + o)
 //   -> gate_up -> silu(gate) * up -> down
@@ -82,12 +83,12 @@ struct Elem<uint16_t> {
   static float round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 };
 
-// y[m, n] = x[m, k] W^T + b in T, from inside the parallel region (ends with a barrier). `packed`
+// y[m, n] = x[m, k] W^T + b in T, from inside the parallel region (a phase of `split`). `packed`
 // holds max(m, 16) * (k + 1) elements: x in the layout of the panel kernels, skipped for one row where
 // that layout is x itself, or the AMX path's last partial tile of rows.
-template <typename T>
+template <typename T, typename Split>
 void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* bias, int64_t n, T* y,
-            typename Elem<T>::Packed* packed) {
+            typename Elem<T>::Packed* packed, Split& split) {
   using P = typename Elem<T>::Packed;
   const T* b = static_cast<const T*>(bias);
   auto store = [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
@@ -98,26 +99,24 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
   if constexpr (std::is_same_v<T, float>) {
     const float* xp = x;
     if (m > 1) {
-#pragma omp single
-      pack_x_into<float>(packed, x, m, k, k, k, 1, [](float v) { return v; });
+      split.once([&] { pack_x_into<float>(packed, x, m, k, k, k, 1, [](float v) { return v; }); });
       xp = packed;
     }
-    run_panels_f32(xp, m, k, static_cast<const float*>(blocked), k * kPanel, k, n, store);
+    run_panels_f32(xp, m, k, static_cast<const float*>(blocked), k * kPanel, k, n, store, split);
   } else {
     const int64_t k_pairs = (k + 1) / 2;
     if (amx_serves(m, k)) {
       run_panels_amx(x, m, k, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs, n,
-                     reinterpret_cast<uint16_t*>(packed), store);
+                     reinterpret_cast<uint16_t*>(packed), store, split);
       return;
     }
     const P* xp = reinterpret_cast<const P*>(x);
     if (m > 1 || k % 2 || !std::is_same_v<P, uint16_t>) {
-#pragma omp single
-      pack_x_into<P>(packed, x, m, k, k, k_pairs, 2, x_element);
+      split.once([&] { pack_x_into<P>(packed, x, m, k, k, k_pairs, 2, x_element); });
       xp = packed;
     }
     run_panels<PanelBF16>(xp, m, 2 * k_pairs, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs,
-                          n, store);
+                          n, store, split);
   }
 }
 
@@ -179,6 +178,7 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
 }
 
 constexpr int64_t kActivationSpan = 256;  // elements of one row per silu_mul work item
+constexpr size_t kMaxPhasesPerLayer = 16;  // ProgressSplit phases a layer may take (it takes at most 15)
 
 template <typename T>
 void decode_step(const ModelWeights& mw, const StepInputs& in) {
@@ -209,10 +209,13 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
   const T* sin = static_cast<const T*>(mw.sin);
   T* out = static_cast<T*>(in.out);
 
+  // Items of a phase a thread takes at a time: about 8 turns per thread, fewer atomic counts than one each.
+  auto grab = [&](int64_t items) { return std::max<int64_t>(1, items / (8 * num_threads)); };
+  PhaseCounters counters(mw.num_layers * kMaxPhasesPerLayer + 1);
+
   // residual += addend (none on the first layer: the embeddings), then x = norm(residual)
-  auto add_and_norm = [&](const T* addend, const void* weight, T* normed) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; ++r) {
+  auto add_and_norm = [&](const T* addend, const void* weight, T* normed, ProgressSplit& split) {
+    split.items(m, grab(m), [&](int64_t r) {
       T* row = residual.data() + r * hidden;
       if (addend == nullptr) {
         std::memcpy(row, embed + in.token_ids[r] * hidden, hidden * sizeof(T));
@@ -221,20 +224,20 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
           row[i] = E::store(E::load(row[i]) + E::load(addend[r * hidden + i]));
       }
       rms_norm_row(row, static_cast<const T*>(weight), hidden, mw.eps, normed + r * hidden);
-    }
+    });
   };
 
 #pragma omp parallel num_threads(num_threads)
   {
+    ProgressSplit split(counters);  // this thread's way through the phases (work_split.h)
     for (int64_t l = 0; l < mw.num_layers; ++l) {
       const LayerWeights& lw = mw.layers[l];
-      add_and_norm(l == 0 ? nullptr : down.data(), lw.input_norm, x.data());
-      linear(x.data(), m, hidden, lw.qkv, lw.qkv_bias, qkv_size, qkv.data(), packed.data());
+      add_and_norm(l == 0 ? nullptr : down.data(), lw.input_norm, x.data(), split);
+      linear(x.data(), m, hidden, lw.qkv, lw.qkv_bias, qkv_size, qkv.data(), packed.data(), split);
 
       // Rotary on the q and k heads, then the new token's K and V into the pools.
       const int64_t heads_per_row = mw.num_heads + 2 * mw.num_kv_heads;
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < m * heads_per_row; ++item) {
+      split.items(m * heads_per_row, grab(m * heads_per_row), [&](int64_t item) {
         const int64_t r = item / heads_per_row, h = item % heads_per_row;
         T* head = qkv.data() + r * qkv_size + h * dim;
         if (h < mw.num_heads + mw.num_kv_heads)
@@ -244,26 +247,26 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
           T* pool = static_cast<T*>(h < mw.num_heads + mw.num_kv_heads ? lw.k_cache : lw.v_cache);
           std::memcpy(pool + in.slot_mapping[r] * kv_size + kv_head * dim, head, dim * sizeof(T));
         }
-      }
+      });
 
-      attend<E::kDtype>(problems[l], plans[l], partials.get());
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < m * q_size; ++i) attn[i] = E::store(attn_f32[i]);
-      linear(attn.data(), m, q_size, lw.o, lw.o_bias, hidden, o.data(), packed.data());
+      attend<E::kDtype>(problems[l], plans[l], partials.get(), split);
+      split.items(m, grab(m), [&](int64_t r) {
+        for (int64_t i = r * q_size; i < (r + 1) * q_size; ++i) attn[i] = E::store(attn_f32[i]);
+      });
+      linear(attn.data(), m, q_size, lw.o, lw.o_bias, hidden, o.data(), packed.data(), split);
 
-      add_and_norm(o.data(), lw.post_norm, x.data());
-      linear(x.data(), m, hidden, lw.gate_up, lw.gate_up_bias, 2 * inter, gate_up.data(), packed.data());
+      add_and_norm(o.data(), lw.post_norm, x.data(), split);
+      linear(x.data(), m, hidden, lw.gate_up, lw.gate_up_bias, 2 * inter, gate_up.data(), packed.data(), split);
       const int64_t spans = (inter + kActivationSpan - 1) / kActivationSpan;
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < m * spans; ++item) {
+      split.items(m * spans, grab(m * spans), [&](int64_t item) {
         const int64_t r = item / spans, first = item % spans * kActivationSpan;
         const T* row = gate_up.data() + r * 2 * inter;
         silu_mul(row + first, row + inter + first, act.data() + r * inter + first,
                  std::min(kActivationSpan, inter - first));
-      }
-      linear(act.data(), m, inter, lw.down, lw.down_bias, hidden, down.data(), packed.data());
+      });
+      linear(act.data(), m, inter, lw.down, lw.down_bias, hidden, down.data(), packed.data(), split);
     }
-    add_and_norm(down.data(), mw.final_norm, out);
+    add_and_norm(down.data(), mw.final_norm, out, split);
   }
 }
 

@@ -5,7 +5,7 @@ the activation between them; called one by one from Python (or from a compiled g
 pays its dispatch and an OpenMP region whose threads may have gone to sleep, which cost more than the
 arithmetic. ``DecodeStep`` hands the C++ side the model's tensors once (pointers to the weights blocked
 by ``linear.block_weight``, the norms, the rotary tables and the K/V pools), and each step then runs
-every layer in one parallel region with barriers between the phases.
+every layer in one parallel region, each phase ending when its last work item is done.
 
 It serves steps where every request decodes one token, float32 or bfloat16, on the CPU; the model
 runner keeps the torch forward for everything else. Every intermediate is rounded where the torch

@@ -24,7 +24,10 @@ void linear_f32(const float* x, int64_t m, int64_t x_stride, const float* blocke
         for (int o = 0; o < num_outs; ++o) out[o] = acc[o] + (bias ? bias[first_out + o] : 0.0f);
     };
 #pragma omp parallel
-    run_panels_f32(x_packed.data(), m, k, blocked, k * kPanel, k, n, store);
+    {
+        OmpSplit split;
+        run_panels_f32(x_packed.data(), m, k, blocked, k * kPanel, k, n, store, split);
+    }
 }
 
 // As linear_f32 with bfloat16 x, bias and y (as uint16 bits); blocked: [ceil(n / 16), ceil(k / 2), 16, 2].
@@ -39,12 +42,18 @@ void linear_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t*
     if (amx_serves(m, k)) {
         std::vector<uint16_t> scratch(m % kTileRows ? kTileRows * k : 0);
 #pragma omp parallel
-        run_panels_amx(x, m, x_stride, blocked, k_pairs * 2 * kPanel, k_pairs, n, scratch.data(), store);
+        {
+            OmpSplit split;
+            run_panels_amx(x, m, x_stride, blocked, k_pairs * 2 * kPanel, k_pairs, n, scratch.data(), store, split);
+        }
         return;
     }
     const std::vector<XElement> x_packed = pack_x<XElement>(x, m, x_stride, k, k_pairs, 2, x_element);
 #pragma omp parallel
-    run_panels<PanelBF16>(x_packed.data(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store);
+    {
+        OmpSplit split;
+        run_panels<PanelBF16>(x_packed.data(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store, split);
+    }
 }
 
 // Whether bfloat16 with m rows and K = k runs on AMX tiles here (1) or on the AVX-512 kernel (0).

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <vector>
 
+#include "work_split.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -252,17 +254,16 @@ std::vector<XT> pack_x(const From* x, int64_t m, int64_t x_stride, int64_t k, in
     return packed;
 }
 
-// For every panel (split over the threads of the enclosing parallel region, with a barrier at the end;
+// For every panel (split over the threads of the enclosing parallel region by `split`, work_split.h;
 // serial outside one) and every pass of rows: accumulate, then hand each row's accumulators and the
 // panel's first output column to `store(row, first_out, acc_row, num_outs)`. Threads take runs of
 // kPanelsPerGrab panels as they come free rather than a fixed share: when another process takes one
-// thread's core for a while, the others do its panels instead of waiting at the barrier for them.
-template <template <int> class PanelKernel, typename XT, typename WT, typename Store>
+// thread's core for a while, the others do its panels.
+template <template <int> class PanelKernel, typename XT, typename WT, typename Store, typename Split>
 void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* blocked, int64_t panel_elems,
-                int64_t k_steps, int64_t n, Store store) {
+                int64_t k_steps, int64_t n, Store store, Split& split) {
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
-#pragma omp for schedule(dynamic, kPanelsPerGrab)
-    for (int64_t p = 0; p < num_panels; ++p) {
+    split.items(num_panels, kPanelsPerGrab, [&](int64_t p) {
         alignas(64) float acc[kRowsPerPass][kPanel];
         const int64_t first_out = p * kPanel;
         const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
@@ -271,22 +272,21 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
             dispatch_rows<PanelKernel>(rows, x_packed + r0 * x_pass_stride, blocked + p * panel_elems, k_steps, acc);
             for (int i = 0; i < rows; ++i) store(r0 + i, first_out, acc[i], num_outs);
         }
-    }
+    });
 }
 
 // run_panels for float32, from two rows up two panels at a time (panel_pair_f32; a last odd panel goes
 // alone). One row is bound by the weight read, not the arithmetic: it keeps run_panels.
-template <typename Store>
+template <typename Store, typename Split>
 void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, const float* blocked,
-                    int64_t panel_elems, int64_t k, int64_t n, Store store) {
+                    int64_t panel_elems, int64_t k, int64_t n, Store store, Split& split) {
     if (m == 1) {
-        run_panels<PanelF32>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store);
+        run_panels<PanelF32>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store, split);
         return;
     }
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
     const int64_t num_pairs = (num_panels + 1) / 2;
-#pragma omp for schedule(dynamic, kPanelsPerGrab / 2)
-    for (int64_t pair = 0; pair < num_pairs; ++pair) {
+    split.items(num_pairs, kPanelsPerGrab / 2, [&](int64_t pair) {
         alignas(64) float acc[2 * kRowsPerPass][kPanel];
         const int64_t first_panel = 2 * pair;
         const int panels = first_panel + 1 < num_panels ? 2 : 1;
@@ -304,7 +304,7 @@ void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, con
                 for (int i = 0; i < rows; ++i) store(r0 + i, first_out, acc[j * kRowsPerPass + i], num_outs);
             }
         }
-    }
+    });
 }
 
 // ---- bfloat16 on AMX tiles ----
@@ -388,19 +388,18 @@ inline bool amx_serves(int64_t m, int64_t k) {
 // As run_panels for bfloat16, on AMX (only where amx_serves): x [m, 2 * k_pairs] as it lies, rows
 // x_stride elements apart. `scratch` holds 16 * 2 * k_pairs elements: the last, partial tile of rows,
 // zero-padded, since a tile load reads 16 rows.
-template <typename Store>
+template <typename Store, typename Split>
 void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t* blocked, int64_t panel_elems,
-                    int64_t k_pairs, int64_t n, uint16_t* scratch, Store store) {
+                    int64_t k_pairs, int64_t n, uint16_t* scratch, Store store, Split& split) {
 #ifdef STRATA_AMX
     const int64_t k = 2 * k_pairs, full_tiles = m / kTileRows, tail_rows = m % kTileRows;
     const int64_t row_tiles = full_tiles + (tail_rows > 0);
     if (tail_rows) {
-#pragma omp single
-        {
+        split.once([&] {
             std::fill(scratch, scratch + kTileRows * k, uint16_t(0));
             for (int64_t i = 0; i < tail_rows; ++i)
                 std::memcpy(scratch + i * k, x + (full_tiles * kTileRows + i) * x_stride, k * sizeof(uint16_t));
-        }
+        });
     }
     auto tile_rows = [&](int64_t t) -> const uint16_t* {
         return t < full_tiles ? x + t * kTileRows * x_stride : scratch;
@@ -408,8 +407,7 @@ void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const uint16
     auto tile_stride = [&](int64_t t) -> int64_t { return (t < full_tiles ? x_stride : k) * int64_t(sizeof(uint16_t)); };
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
     bool configured = false;
-#pragma omp for schedule(dynamic, kPanelsPerGrab)
-    for (int64_t p = 0; p < num_panels; ++p) {
+    split.items(num_panels, kPanelsPerGrab, [&](int64_t p) {
         if (!configured) configure_tiles(), configured = true;
         alignas(64) float acc[kMaxRowTiles * kTileRows][kPanel];
         const int64_t first_out = p * kPanel;
@@ -429,11 +427,11 @@ void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const uint16
             const int64_t rows = std::min<int64_t>(tiles * kTileRows, m - t0 * kTileRows);
             for (int64_t i = 0; i < rows; ++i) store(t0 * kTileRows + i, first_out, acc[i], num_outs);
         }
-    }
+    });
     if (configured) _tile_release();
 #else
     (void)x, (void)m, (void)x_stride, (void)blocked, (void)panel_elems, (void)k_pairs, (void)n, (void)scratch,
-        (void)store;
+        (void)store, (void)split;
 #endif
 }
 

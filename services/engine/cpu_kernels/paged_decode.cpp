@@ -16,7 +16,10 @@ void run(const Problem& p, int64_t min_chunk_tokens) {
   const Plan plan = plan_chunks(p, min_chunk_tokens, omp_get_max_threads());
   std::vector<Partial> partials(plan.split ? plan.num_partials(p) : 0);
 #pragma omp parallel
-  attend<Dt>(p, plan, partials.data());
+  {
+    OmpSplit split;
+    attend<Dt>(p, plan, partials.data(), split);
+  }
 }
 
 }  // namespace

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include <omp.h>
+
+#include "work_split.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define STRATA_AVX512 1
@@ -416,10 +418,11 @@ Plan plan_chunks(const Problem& p, int64_t min_chunk_tokens, int64_t num_threads
   return plan;
 }
 
-// The work items of `plan` split over the threads of the enclosing parallel region (serial outside
-// one), then the merges; ends with a barrier. `partials` holds plan.num_partials(p) entries when it splits.
-template <int Dt>
-void attend(const Problem& p, const Plan& plan, Partial* partials) {
+// The work items of `plan` split over the threads of the enclosing parallel region by `split`
+// (work_split.h; serial outside one), then the merges. `partials` holds plan.num_partials(p) entries
+// when it splits.
+template <int Dt, typename Split>
+void attend(const Problem& p, const Plan& plan, Partial* partials, Split& split) {
   Partial local;  // the merge's
   // Each thread's own state for every kv head of a work item: the query rows, and the running softmax
   // of a request attended in one chunk (a split request's go to `partials`); kept across calls, so
@@ -432,8 +435,7 @@ void attend(const Problem& p, const Plan& plan, Partial* partials) {
     locals.resize(p.num_kv_heads);
     parts.resize(p.num_kv_heads);
   }
-#pragma omp for schedule(dynamic, 1)
-  for (int64_t chunk = 0; chunk < plan.num_chunks; ++chunk) {
+  split.items(plan.num_chunks, 1, [&](int64_t chunk) {
     const int64_t req =
         std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), chunk) - plan.chunk_start.begin() - 1;
     const int64_t lo = plan.first[req] + (chunk - plan.chunk_start[req]) * plan.chunk_tokens;
@@ -444,16 +446,15 @@ void attend(const Problem& p, const Plan& plan, Partial* partials) {
     attend_chunk<Dt>(p, req, lo, hi, parts.data(), queries.data());
     if (alone)
       for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) write_output(p, req, kv_head, locals[kv_head]);
-  }
+  });
   if (plan.split) {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < p.num_reqs * p.num_kv_heads; ++item) {
+    split.items(p.num_reqs * p.num_kv_heads, 1, [&](int64_t item) {
       const int64_t req = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
       const int64_t count = plan.chunk_start[req + 1] - plan.chunk_start[req];
-      if (count == 1) continue;
+      if (count == 1) return;
       merge(p, &partials[kv_head * plan.num_chunks + plan.chunk_start[req]], count, local);
       write_output(p, req, kv_head, local);
-    }
+    });
   }
 }
 
