@@ -91,10 +91,9 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
             return logits.argmax(dim=-1)
-        every_row = len(random_rows) == len(params)
-        rows = torch.tensor(random_rows, device=self.device)
+        rows = None if len(random_rows) == len(params) else torch.tensor(random_rows, device=self.device)
         chosen = [params[i] for i in random_rows]
-        probs = self.probabilities(logits if every_row else logits.index_select(0, rows), chosen)  # [m, vocab]
+        probs = self.probabilities(logits if rows is None else logits.index_select(0, rows), chosen)  # [m, vocab]
         uniforms = torch.empty(len(chosen), dtype=torch.float64, device=self.device)
         unseeded = [j for j, p in enumerate(chosen) if p.seed is None]
         if unseeded:
@@ -105,7 +104,7 @@ class Sampler:
                 uniforms[j] = torch.rand(1, dtype=torch.float64, device=self.device,
                                          generator=self._request_generator(requests[random_rows[j]]))[0]
         drawn = inverse_cdf_draw(probs, uniforms)
-        return drawn if every_row else logits.argmax(dim=-1).index_copy(0, rows, drawn)
+        return drawn if rows is None else logits.argmax(dim=-1).index_copy(0, rows, drawn)
 
     def probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Temperature, then min_p, top_k and top_p masks; returns the renormalised distribution."""
