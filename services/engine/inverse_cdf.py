@@ -24,7 +24,7 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
     positive mass (all zeros, or NaN where every logit was -inf) gets its ``argmax``, as the race did."""
     num_rows, vocab = probs.shape
     num_full = vocab // CHUNK
-    chunk_mass = probs[:, :num_full * CHUNK].reshape(num_rows, num_full, CHUNK).sum(dim=-1)  # [m, K] (a view)
+    chunk_mass = probs[:, :num_full * CHUNK].reshape(num_rows, num_full, CHUNK).sum(dim=-1)  # [m, K]: no copy of probs
     if vocab % CHUNK:
         chunk_mass = torch.cat([chunk_mass, probs[:, num_full * CHUNK:].sum(dim=-1, keepdim=True)], dim=1)
     chunk_mass = chunk_mass.to(torch.float64)  # float32 sums (pairwise inside torch), float64 from here
@@ -32,16 +32,18 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
     total = chunk_end[:, -1:]
     target = uniforms.to(torch.float64).unsqueeze(1) * total  # [m, 1]
     chunk = _first_above(chunk_end, target)  # [m, 1]
-    start = chunk_end.gather(1, chunk) - chunk_mass.gather(1, chunk)
+    mass = chunk_mass.gather(1, chunk)
+    start = chunk_end.gather(1, chunk) - mass
     columns = chunk * CHUNK + torch.arange(CHUNK, device=probs.device)  # [m, CHUNK]; past the vocabulary
     inside = probs.gather(1, columns.clamp(max=vocab - 1)).to(torch.float64)  # in the last chunk: masked
     inside = inside.masked_fill_(columns >= vocab, 0.0).cumsum_(dim=-1)
     # where the target falls in the chunk, in the chunk's own running sum (its total may differ from
     # chunk_mass in the last bits)
-    fraction = ((target - start) / chunk_mass.gather(1, chunk)).clamp_(0.0, 1.0)
+    fraction = ((target - start) / mass).clamp_(0.0, 1.0)
     index = _first_above(inside, fraction * inside[:, -1:])
     tokens = (chunk * CHUNK + index).squeeze(1).clamp_(max=vocab - 1)
-    drawable = torch.isfinite(total.squeeze(1)) & (total.squeeze(1) > 0)
+    total = total.squeeze(1)
+    drawable = torch.isfinite(total) & (total > 0)
     if bool(drawable.all()):
         return tokens
     return torch.where(drawable, tokens, probs.argmax(dim=-1))
