@@ -1,6 +1,5 @@
 """A request as the engine tracks it, from arrival to finish."""
 
-import dataclasses
 import enum
 import time
 from collections.abc import Sequence
@@ -38,7 +37,10 @@ class RequestTimes:
     finished: float | None = None
 
     def copy(self) -> "RequestTimes":
-        return dataclasses.replace(self)
+        # every output of every step makes one: the constructor, not dataclasses.replace, which
+        # looks the fields up again each time (~4x slower)
+        return RequestTimes(self.arrival, self.first_scheduled, self.first_token, self.previous_token,
+                            self.last_token, self.finished)
 
     @property
     def queue_s(self) -> float | None:

@@ -118,3 +118,15 @@ def test_a_queued_requests_engine_span_has_its_stages_in_order(core):
                  for request_id, span in spans.items()}
     assert scheduled["a"] < scheduled["b"] < scheduled["c"]
     assert b.attributes["strata.queue_time_s"] >= a.attributes["strata.inference_time_s"]
+
+
+def test_a_copy_holds_every_field_and_is_its_own():
+    from dataclasses import astuple, fields
+
+    from services.engine.request import RequestTimes
+
+    times = RequestTimes(*(float(i + 1) for i in range(len(fields(RequestTimes)))))
+    copied = times.copy()
+    assert astuple(copied) == astuple(times) and copied is not times
+    copied.finished = 99.0
+    assert times.finished != 99.0

@@ -18,6 +18,7 @@
 
 #include "linear_panels.h"
 #include "paged_decode_kernels.h"
+#include "row_ops.h"
 
 #include <memory>
 #include <type_traits>
@@ -63,26 +64,6 @@ struct StepInputs {
   void* out;                    // [M, H]: the final norm of the last hidden state
 };
 
-// The model's element type: float32, or bfloat16 as its bits.
-template <typename T>
-struct Elem;
-template <>
-struct Elem<float> {
-  static constexpr int kDtype = kFloat32;
-  using Packed = float;  // x as the panel kernels read it
-  static float load(float v) { return v; }
-  static float store(float v) { return v; }
-  static float round(float v) { return v; }
-};
-template <>
-struct Elem<uint16_t> {
-  static constexpr int kDtype = kBFloat16;
-  using Packed = XElement;
-  static float load(uint16_t v) { return bf16_to_f32(v); }
-  static uint16_t store(float v) { return f32_to_bf16(v); }
-  static float round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-};
-
 // y[m, n] = x[m, k] W^T + b in T, from inside the parallel region (a phase of `split`). `packed`
 // holds max(m, 16) * (k + 1) elements: x in the layout of the panel kernels, skipped for one row where
 // that layout is x itself, or the AMX path's last partial tile of rows.
@@ -117,63 +98,6 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
     }
     run_panels<PanelBF16>(xp, m, 2 * k_pairs, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs,
                           n, store, split);
-  }
-}
-
-// out = norm(x) * weight over one row of n, as models/layers.py's RMSNorm: float32 throughout for a
-// float32 model; for bfloat16 the normalised row is rounded before the weight multiplies it.
-template <typename T>
-void rms_norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
-  float sums[16] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = Elem<T>::load(x[i]);
-    sums[i % 16] += v * v;
-  }
-  float sum = 0.0f;
-  for (float s : sums) sum += s;
-  const float inverse = 1.0f / std::sqrt(sum / float(n) + eps);
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = Elem<T>::store(Elem<T>::load(weight[i]) * Elem<T>::round(Elem<T>::load(x[i]) * inverse));
-}
-
-// Rotates one head's D values in place at `position`, as models/rope.py's apply_rotary_ (HF's
-// x * cos + rotate_half(x) * sin), each product and sum rounded to T.
-template <typename T>
-void rotate_head(T* x, const T* cos, const T* sin, int64_t dim) {
-  const int64_t half = dim / 2;
-  for (int64_t d = 0; d < half; ++d) {
-    const float x1 = Elem<T>::load(x[d]), x2 = Elem<T>::load(x[d + half]);
-    const float partner1 = Elem<T>::round(x1 * Elem<T>::load(sin[d]));
-    const float partner2 = Elem<T>::round(x2 * Elem<T>::load(sin[d + half]));
-    const float c1 = Elem<T>::round(x1 * Elem<T>::load(cos[d]));
-    const float c2 = Elem<T>::round(x2 * Elem<T>::load(cos[d + half]));
-    x[d] = Elem<T>::store(c1 + partner2);
-    x[d + half] = Elem<T>::store(c2 + partner1);
-  }
-}
-
-// silu(gate) * up for `count` elements from `i`, silu's result rounded to T before the product.
-template <typename T>
-void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
-  int64_t i = 0;
-#ifdef STRATA_AVX512
-  for (; i + 16 <= count; i += 16) {
-    float g[16], u[16];
-    for (int j = 0; j < 16; ++j) g[j] = Elem<T>::load(gate[i + j]), u[j] = Elem<T>::load(up[i + j]);
-    const __m512 x = _mm512_loadu_ps(g);
-    // sigmoid from e = exp(-|x|) <= 1: 1 / (1 + e) for x >= 0, e / (1 + e) below
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), _mm512_add_ps(one, e));
-    float s[16];
-    _mm512_storeu_ps(s, _mm512_mul_ps(x, sigmoid));
-    for (int j = 0; j < 16; ++j) out[i + j] = Elem<T>::store(Elem<T>::round(s[j]) * u[j]);
-  }
-#endif
-  for (; i < count; ++i) {
-    const float x = Elem<T>::load(gate[i]);
-    out[i] = Elem<T>::store(Elem<T>::round(x / (1.0f + std::exp(-x))) * Elem<T>::load(up[i]));
   }
 }
 
@@ -217,12 +141,10 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
   auto add_and_norm = [&](const T* addend, const void* weight, T* normed, ProgressSplit& split) {
     split.items(m, grab(m), [&](int64_t r) {
       T* row = residual.data() + r * hidden;
-      if (addend == nullptr) {
+      if (addend == nullptr)
         std::memcpy(row, embed + in.token_ids[r] * hidden, hidden * sizeof(T));
-      } else {
-        for (int64_t i = 0; i < hidden; ++i)
-          row[i] = E::store(E::load(row[i]) + E::load(addend[r * hidden + i]));
-      }
+      else
+        add_row(row, addend + r * hidden, hidden);
       rms_norm_row(row, static_cast<const T*>(weight), hidden, mw.eps, normed + r * hidden);
     });
   };

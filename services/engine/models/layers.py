@@ -1,9 +1,14 @@
-"""Building blocks of the Llama family: RMSNorm with the residual add folded in, and the gated MLP."""
+"""Building blocks of the Llama family: RMSNorm with the residual add folded in, and the gated MLP.
+
+On the CPU both run as native passes over the rows where they can (``cpu_kernels/fused_ops``); on a
+GPU with ``use_kernel``, as Triton kernels; else as torch ops."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
+
+from services.engine.cpu_kernels import fused_ops
 
 
 def empty_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -28,6 +33,9 @@ class RMSNorm(nn.Module):
             from services.engine.kernels.rms_norm import rms_norm
 
             out = rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if fused_ops.serves(x, self.weight) and (residual is None or fused_ops.serves(residual)):
+            out = fused_ops.add_rms_norm(x, residual, self.weight, self.eps)  # one native pass over the rows
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
@@ -58,5 +66,7 @@ class GatedMLP(nn.Module):
             from services.engine.kernels.activation import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
+        if fused_ops.serves(gate_up):
+            return self.down_proj(fused_ops.silu_mul(gate_up))  # one native pass over the rows
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each, strided
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # [T, H]

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
+from services.engine.cpu_kernels import fused_ops
 from services.engine.models.config import ModelConfig
 from services.engine.models.layers import GatedMLP, RMSNorm, empty_linear
 from services.engine.models.packed_linear import PackedLinear, pack_linears
@@ -40,6 +41,8 @@ class LlamaAttention(nn.Module):
             from services.engine.kernels.rotary import rotary_
 
             rotary_(qk, *rope)
+        elif fused_ops.can_rotate(qk, *rope):
+            fused_ops.rotary_(qk, *rope)
         else:
             apply_rotary_(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # q: [T, heads, D], k: [T, kv_heads, D]

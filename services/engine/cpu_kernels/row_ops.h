@@ -1,0 +1,175 @@
+// The per-row operations between a Llama layer's projections, in the model's dtype: RMSNorm, rotary
+// and silu(gate) * up, each rounded where the torch forward (models/layers.py, models/rope.py) rounds.
+// The decode step (decode_forward.cpp) runs them inside its parallel region; fused_ops.cpp runs them
+// over the many rows of a prefill.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "linear_panels.h"
+#include "paged_decode_kernels.h"
+
+namespace {
+
+// The model's element type: float32, or bfloat16 as its bits.
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static constexpr int kDtype = kFloat32;
+  using Packed = float;  // x as the panel kernels read it
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+  static float round(float v) { return v; }
+};
+template <>
+struct Elem<uint16_t> {
+  static constexpr int kDtype = kBFloat16;
+  using Packed = XElement;
+  static float load(uint16_t v) { return bf16_to_f32(v); }
+  static uint16_t store(float v) { return f32_to_bf16(v); }
+  static float round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+};
+
+#ifdef STRATA_AVX512
+// 16 values of T at p (the lanes in mask) as float32, and back, rounded as Elem<T>::store rounds.
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 mask) {
+  if constexpr (std::is_same_v<T, float>)
+    return _mm512_maskz_loadu_ps(mask, p);
+  else
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// The bfloat16 bits of 16 float32 values in the low half of each lane: f32_to_bf16, 16 at a time.
+inline __m512i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i high = _mm512_srli_epi32(u, 16);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+}
+
+template <typename T>
+inline void store16(T* p, __m512 v, __mmask16 mask) {
+  if constexpr (std::is_same_v<T, float>)
+    _mm512_mask_storeu_ps(p, mask, v);
+  else
+    _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+
+// Elem<T>::round, 16 at a time.
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+#endif
+
+// residual += addend over one row of n, the sum rounded to T (as torch's in-place add).
+template <typename T>
+void add_row(T* residual, const T* addend, int64_t n) {
+  int64_t i = 0;
+#ifdef STRATA_AVX512
+  for (; i < n; i += 16) {
+    const __mmask16 mask = lanes(n - i);
+    store16(residual + i, _mm512_add_ps(load16(residual + i, mask), load16(addend + i, mask)), mask);
+  }
+#endif
+  for (; i < n; ++i) residual[i] = Elem<T>::store(Elem<T>::load(residual[i]) + Elem<T>::load(addend[i]));
+}
+
+// out = norm(x) * weight over one row of n, as models/layers.py's RMSNorm: float32 throughout for a
+// float32 model; for bfloat16 the normalised row is rounded before the weight multiplies it. The sum
+// of squares runs in 16 lanes (element i in lane i % 16), then over the lanes in order.
+template <typename T>
+void rms_norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
+  float sums[16] = {};
+#ifdef STRATA_AVX512
+  __m512 lane_sums = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load16(x + i, lanes(n - i));
+    lane_sums = _mm512_add_ps(lane_sums, _mm512_mul_ps(v, v));
+  }
+  _mm512_storeu_ps(sums, lane_sums);
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = Elem<T>::load(x[i]);
+    sums[i % 16] += v * v;
+  }
+#endif
+  float sum = 0.0f;
+  for (float s : sums) sum += s;
+  const float inverse = 1.0f / std::sqrt(sum / float(n) + eps);
+#ifdef STRATA_AVX512
+  const __m512 scale = _mm512_set1_ps(inverse);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = lanes(n - i);
+    const __m512 normed = round16<T>(_mm512_mul_ps(load16(x + i, mask), scale));
+    store16(out + i, _mm512_mul_ps(load16(weight + i, mask), normed), mask);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = Elem<T>::store(Elem<T>::load(weight[i]) * Elem<T>::round(Elem<T>::load(x[i]) * inverse));
+#endif
+}
+
+// Rotates one head's D values in place at `position`, as models/rope.py's apply_rotary_ (HF's
+// x * cos + rotate_half(x) * sin), each product and sum rounded to T.
+template <typename T>
+void rotate_head(T* x, const T* cos, const T* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  int64_t d = 0;
+#ifdef STRATA_AVX512
+  for (; d < half; d += 16) {
+    const __mmask16 mask = lanes(half - d);
+    const __m512 x1 = load16(x + d, mask), x2 = load16(x + d + half, mask);
+    const __m512 partner1 = round16<T>(_mm512_mul_ps(x1, load16(sin + d, mask)));
+    const __m512 partner2 = round16<T>(_mm512_mul_ps(x2, load16(sin + d + half, mask)));
+    const __m512 c1 = round16<T>(_mm512_mul_ps(x1, load16(cos + d, mask)));
+    const __m512 c2 = round16<T>(_mm512_mul_ps(x2, load16(cos + d + half, mask)));
+    store16(x + d, _mm512_add_ps(c1, partner2), mask);
+    store16(x + d + half, _mm512_add_ps(c2, partner1), mask);
+  }
+#endif
+  for (; d < half; ++d) {
+    const float x1 = Elem<T>::load(x[d]), x2 = Elem<T>::load(x[d + half]);
+    const float partner1 = Elem<T>::round(x1 * Elem<T>::load(sin[d]));
+    const float partner2 = Elem<T>::round(x2 * Elem<T>::load(sin[d + half]));
+    const float c1 = Elem<T>::round(x1 * Elem<T>::load(cos[d]));
+    const float c2 = Elem<T>::round(x2 * Elem<T>::load(cos[d + half]));
+    x[d] = Elem<T>::store(c1 + partner2);
+    x[d + half] = Elem<T>::store(c2 + partner1);
+  }
+}
+
+// silu(gate) * up for `count` elements, silu's result rounded to T before the product.
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
+  int64_t i = 0;
+#ifdef STRATA_AVX512
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i < count; i += 16) {
+    const __mmask16 mask = lanes(count - i);
+    const __m512 x = load16(gate + i, mask);
+    // sigmoid from e = exp(-|x|) <= 1: 1 / (1 + e) for x >= 0, e / (1 + e) below
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), _mm512_add_ps(one, e));
+    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(x, sigmoid)), load16(up + i, mask)), mask);
+  }
+#endif
+  for (; i < count; ++i) {
+    const float x = Elem<T>::load(gate[i]);
+    out[i] = Elem<T>::store(Elem<T>::round(x / (1.0f + std::exp(-x))) * Elem<T>::load(up[i]));
+  }
+}
+
+}  // namespace
