@@ -128,16 +128,27 @@ class ThreadGovernor:
     kept, or the same batch decoding more than 25% slower or 33% faster (a neighbour came or went).
     Between 1 and ``ceiling``.
 
+    A probe down to fewer threads runs only while the cores are contended: while this process's
+    threads spent at least ``CONTENDED_SHARE`` of their runnable time waiting for a core in the last
+    window (``process_core_wait``, from /proc; always where that is unknown). Alone on its cores an
+    engine decodes fastest on all of them, and a probe there only costs: 16 steps of 64 rows on one
+    thread of two ran about half as fast, and the probes that each change of batch size started took
+    15-20% of an in-process run of 64 prompts on 2 cores.
+
     Steps that prefill run on every thread: their matrix products are long and use every core they
     get. Called by the thread that runs the model (OpenMP's team size is per thread): ``before_step``
     and ``after_step`` around every step.
     """
 
     def __init__(self, ceiling: int, probe_every_s: float = 10.0, window_steps: int = 16,
-                 min_gain: float = 0.05, retry_s: float = 0.5, clock=None, set_threads=None) -> None:
+                 min_gain: float = 0.05, retry_s: float = 0.5, clock=None, set_threads=None,
+                 core_wait=None) -> None:
         import time
 
         self.ceiling = self.threads = ceiling
+        self._core_wait = core_wait or process_core_wait
+        self._last_core_wait = self._core_wait()
+        self.contended_share: float | None = None  # of the last window; None: not known here
         self._applied = ceiling  # the team size set last
         self.probe_every_s, self.window_steps, self.min_gain = probe_every_s, window_steps, min_gain
         self.retry_s = retry_s
@@ -165,12 +176,29 @@ class ThreadGovernor:
             return
         window = (self._rows / self._seconds, self._rows / self._steps)  # (rows per second, rows per step)
         self._rows = self._seconds = self._steps = 0.0
+        self._measure_contention()
         if self._trial_from is not None:
             self._judge(window)
         elif self._probe_due(window):  # this window is the baseline: try a neighbour
+            wanted = self._neighbour()
+            if wanted < self.threads and not self._contended():
+                return  # alone on the cores: fewer threads would only be slower
+            self._direction = -self._direction
             self._baseline = window
             self._trial_from = self.threads
-            self._resize(self._neighbour())
+            self._resize(wanted)
+
+    def _measure_contention(self) -> None:
+        now = self._core_wait()
+        if now is None or self._last_core_wait is None:
+            self.contended_share = None
+        else:
+            waited, ran = now[0] - self._last_core_wait[0], now[1] - self._last_core_wait[1]
+            self.contended_share = max(0.0, waited) / max(waited + ran, 1e-9)
+        self._last_core_wait = now
+
+    def _contended(self) -> bool:
+        return self.contended_share is None or self.contended_share >= CONTENDED_SHARE
 
     def _probe_due(self, window: tuple[float, float]) -> bool:
         """Time for a probe, or the load or the speed moved away from what the last probe saw."""
@@ -182,11 +210,9 @@ class ThreadGovernor:
         return abs(rows - decided_rows) <= 0.1 * decided_rows and not 0.75 <= rate / decided_rate <= 1.33
 
     def _neighbour(self) -> int:
+        """The size a probe tries: one thread more or fewer, alternately (the side that exists)."""
         wanted = self.threads + self._direction
-        if not 1 <= wanted <= self.ceiling:
-            wanted = self.threads - self._direction
-        self._direction = -self._direction
-        return wanted
+        return wanted if 1 <= wanted <= self.ceiling else self.threads - self._direction
 
     def _judge(self, trial: tuple[float, float]) -> None:
         (base_rate, base_rows), (rate, rows) = self._baseline, trial
@@ -216,6 +242,32 @@ class ThreadGovernor:
             else:
                 self._set_threads(threads)
             self._applied = threads
+
+
+# A probe down to fewer threads needs the process's threads to have waited for a core at least this
+# share of their runnable time. Measured on 2 cores (one engine thread per core): alone ~1%; through
+# `strata up` at 1 and at 64 streams, the gateway, tokenizer and clients beside it, 23-26% (two
+# threads decode faster there); beside one busy process ~49% (one thread may decode faster).
+CONTENDED_SHARE = 1 / 3
+
+
+def process_core_wait() -> tuple[float, float] | None:
+    """(seconds waiting for a core, seconds on one) summed over this process's threads so far, from
+    /proc/self/task/*/schedstat (Linux); None where that is not available."""
+    waited = ran = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as stat:
+                on_cpu, run_delay = stat.read().split()[:2]
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile, or no schedstat here
+        ran += int(on_cpu)
+        waited += int(run_delay)
+    return (waited / 1e9, ran / 1e9) if ran else None
 
 
 def thread_governor(num_threads: int | None) -> ThreadGovernor | None:

@@ -84,12 +84,32 @@ class Clock:
         return self.now
 
 
-def make_governor(ceiling: int, step_ms) -> tuple[ThreadGovernor, list[int], Clock]:
-    """A governor whose decode steps take ``step_ms(threads, rows)``; returns it, the sizes it set and
-    its clock."""
+class CoreWait:
+    """The process's (seconds waiting for a core, seconds on one) as its threads would add them up,
+    waiting ``share`` of the time that passes on ``clock``; ``share`` None: not known here."""
+
+    def __init__(self, clock: Clock, share: float | None) -> None:
+        self.clock, self.share = clock, share
+        self.waited = self.ran = 0.0
+        self.seen = 0.0
+
+    def __call__(self) -> tuple[float, float] | None:
+        if self.share is None:
+            return None
+        passed, self.seen = self.clock.now - self.seen, self.clock.now
+        self.waited += passed * self.share
+        self.ran += passed * (1 - self.share)
+        return self.waited, self.ran
+
+
+def make_governor(ceiling: int, step_ms, contended: float | None = 0.5) -> tuple[ThreadGovernor, list[int], Clock]:
+    """A governor whose decode steps take ``step_ms(threads, rows)``, its threads waiting for a core
+    ``contended`` of their time (``governor.core_wait.share``); returns it, the sizes it set and its clock."""
     sizes, clock = [], Clock()
-    governor = ThreadGovernor(ceiling, probe_every_s=10.0, window_steps=4, clock=clock, set_threads=sizes.append)
-    governor.step_ms = step_ms
+    core_wait = CoreWait(clock, contended)
+    governor = ThreadGovernor(ceiling, probe_every_s=10.0, window_steps=4, clock=clock, set_threads=sizes.append,
+                              core_wait=core_wait)
+    governor.step_ms, governor.core_wait = step_ms, core_wait
     return governor, sizes, clock
 
 
@@ -173,3 +193,43 @@ def test_steps_that_prefill_run_on_every_thread():
     governor.before_step(decode_only=False)
     governor.before_step(decode_only=True)
     assert sizes == [1, 2, 1] and governor.threads == 1
+
+
+def test_alone_on_its_cores_it_never_probes_fewer_threads():
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 45.0, 2: 26.0}[threads], contended=0.01)
+    decode(governor, clock, 64, 40)
+    decode(governor, clock, 8, 40)  # a new load: still no probe
+    clock.now += 60.0
+    decode(governor, clock, 8, 40)
+    assert sizes == [] and governor.threads == 2 and governor.contended_share == pytest.approx(0.01)
+
+
+def test_a_neighbour_taking_the_cores_lets_it_probe_and_fewer_threads_probe_up_regardless():
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 5.0, 2: 9.0}[threads], contended=0.01)
+    decode(governor, clock, 1, 8)
+    assert sizes == []
+    governor.core_wait.share = 0.5  # a busy neighbour: the threads wait for a core half the time
+    decode(governor, clock, 1, 8)
+    assert governor.threads == 1 and sizes == [1]
+    governor.core_wait.share = 0.01  # it left: one thread has its core, and the probe up still runs
+    governor.step_ms = lambda threads, rows: {1: 4.0, 2: 2.5}[threads]
+    clock.now += 10.0  # the next probe is due
+    decode(governor, clock, 1, 8)
+    assert governor.threads == 2 and sizes == [1, 2]
+
+
+def test_where_the_wait_for_a_core_is_unknown_it_probes_as_before():
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 4.6, 2: 5.9}[threads], contended=None)
+    decode(governor, clock, 1, 8)
+    assert governor.threads == 1 and sizes == [1] and governor.contended_share is None
+
+
+def test_this_process_wait_for_a_core_is_read_from_proc():
+    from services.engine.threads import process_core_wait
+
+    reading = process_core_wait()
+    if not os.path.exists("/proc/self/task"):
+        assert reading is None
+    else:
+        waited, ran = reading
+        assert waited >= 0 and ran > 0
