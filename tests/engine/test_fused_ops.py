@@ -93,6 +93,12 @@ def test_the_layers_use_them_on_the_cpu_and_fall_back_elsewhere():
     assert_close_in_dtype(out, torch_norm(x, expected_residual.clone(), norm.weight, 1e-6))
     assert not fused_ops.serves(torch.randn(2, 2, dtype=torch.float16))
     assert not fused_ops.serves(x, torch.randn(16))  # mixed dtypes: the torch ops
+    assert not fused_ops.can_norm(x, torch.randn(16, 3, dtype=torch.bfloat16).T, norm.weight)  # strided residual
+    strided = torch.randn(3, 32, dtype=torch.bfloat16)[:, ::2]
+    expected_sum = strided + x
+    out, summed = norm(x, strided)  # the torch ops
+    assert summed is strided and torch.equal(strided, expected_sum)
+    assert_close_in_dtype(out, torch_norm(expected_sum, None, norm.weight, 1e-6))
     assert not fused_ops.can_rotate(torch.randn(4, 3, 8)[:, :, ::2], torch.randn(4, 1, 4), torch.randn(4, 1, 4))
 
     mlp = GatedMLP(16, 24, False, torch.float32, torch.device("cpu"))

@@ -47,6 +47,14 @@ def can_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and serves(x, cos, sin)
 
 
+def can_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether ``add_rms_norm`` takes these: as ``serves``, ``x`` two-dimensional, and ``residual``
+    (added to in place) a contiguous tensor of ``x``'s shape."""
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        return False
+    return x.dim() == 2 and serves(x, weight, *([] if residual is None else [residual]))
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``norm(x) * weight`` for ``x [T, H]``; with ``residual``, ``residual += x`` first (in place) and
     the norm is of the sum, as ``RMSNorm.forward``."""

@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
 
             out = rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
-        if fused_ops.serves(x, self.weight) and (residual is None or fused_ops.serves(residual)):
+        if fused_ops.can_norm(x, residual, self.weight):
             out = fused_ops.add_rms_norm(x, residual, self.weight, self.eps)  # one native pass over the rows
             return out if residual is None else (out, residual)
         if residual is None:
