@@ -122,7 +122,8 @@ class ThreadGovernor:
     alone, one stream and 64 on two), so the governor measures it. It times
     decode steps in windows of ``window_steps``; when a probe is due, the last window is the baseline
     and the next runs at a neighbouring size, which is kept when its decode rate (rows per second of
-    decode steps) is ``min_gain`` better at about the same batch size, else the size goes back. A probe
+    decode steps) is ``min_gain`` better at about the same batch size (``_judge``), else the size goes
+    back. A probe
     is due every ``probe_every_s``, after ``retry_s`` when the batch size changed during the last one,
     and at once when a window shows a batch 1.5 times larger or smaller than the one the last probe
     kept, or the same batch decoding more than 25% slower or 33% faster (a neighbour came or went).
@@ -216,8 +217,13 @@ class ThreadGovernor:
 
     def _judge(self, trial: tuple[float, float]) -> None:
         (base_rate, base_rows), (rate, rows) = self._baseline, trial
-        comparable = abs(rows - base_rows) <= 0.1 * base_rows
-        switched = comparable and rate > base_rate * (1 + self.min_gain)
+        # Batches of live traffic drift between windows (requests end, prefills interleave), so a trial
+        # within a quarter of the baseline's rows counts. A step's time grows with its rows, so rows per
+        # second grow at most as fast as the rows: the trial must beat the baseline by more than its
+        # extra rows could give it, and a trial with fewer rows only loses by the comparison.
+        rows_ratio = rows / base_rows
+        comparable = 0.8 <= rows_ratio <= 1.25
+        switched = comparable and rate > base_rate * (1 + self.min_gain) * max(1.0, rows_ratio)
         if switched:
             log.info("kernel threads %d -> %d: decode steps of ~%.0f rows run at %.0f rows/s instead of %.0f",
                      self._trial_from, self.threads, rows, rate, base_rate)

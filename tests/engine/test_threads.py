@@ -233,3 +233,17 @@ def test_this_process_wait_for_a_core_is_read_from_proc():
     else:
         waited, ran = reading
         assert waited >= 0 and ran > 0
+
+
+def test_a_trial_at_a_somewhat_larger_batch_must_beat_what_its_extra_rows_give():
+    # rows per second grow with the batch: 10% more rows and 8% more rows/s is no gain of its own
+    governor, sizes, clock = make_governor(2, lambda threads, rows: 20.0 + 0.1 * rows)
+    decode(governor, clock, 50, 4)  # the baseline, on two threads
+    governor.step_ms = lambda threads, rows: 20.0 + 0.1 * rows  # the same speed on one thread
+    decode(governor, clock, 55, 4)
+    assert governor.threads == 2 and sizes == [1, 2]
+    # a drifting batch still gets its answer: one thread faster at 15% fewer rows
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 18.0, 2: 25.0}[threads] + 0.1 * rows)
+    decode(governor, clock, 60, 4)
+    decode(governor, clock, 51, 4)
+    assert governor.threads == 1 and sizes == [1]
