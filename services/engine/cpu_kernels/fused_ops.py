@@ -1,16 +1,16 @@
 """The torch forward's row operations on the CPU as native passes (``fused_ops.cpp``): the residual add
 with RMSNorm, rotary on q and k, and silu(gate) * up.
 
-In a prefill step (and a decode step that runs the torch forward: ``--enforce-eager`` without the
-native decode step) each of them is several torch ops, every one a pass over the step's rows with a
-float32 temporary in between: RMSNorm in bfloat16 is a cast, a square, a mean, a reciprocal square
+In a step that runs the eager torch forward (a prefill, or any step that neither the native decode
+step nor a compiled graph serves) each of them is several torch ops, every one a pass over the step's
+rows with a float32 temporary in between: RMSNorm in bfloat16 is a cast, a square, a mean, a reciprocal square
 root, two products and a cast back. Here each is one pass on OpenMP's threads, with the row functions
 of the native decode step (``row_ops.h``), so prefill and decode round alike; against the torch ops
 they differ only in the order of the norm's float32 sum and in ``exp``'s last bit.
 
-``serves(*tensors)`` says whether they run here for these tensors (CPU, float32 or bfloat16, rows
-contiguous, the library built, not being traced by ``torch.compile``, which fuses the torch ops
-itself); the model falls back to its torch ops otherwise.
+``serves(*tensors)`` says whether they run here for these tensors (CPU, all float32 or all bfloat16,
+the library built, not being traced by ``torch.compile``, which fuses the torch ops itself), and
+``can_norm`` / ``can_rotate`` add the layouts those two need; the model keeps its torch ops otherwise.
 """
 
 import ctypes
