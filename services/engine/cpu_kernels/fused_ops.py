@@ -43,8 +43,10 @@ def serves(*tensors: torch.Tensor) -> bool:
 
 
 def can_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether ``rotary_`` takes these: as ``serves``, and each row's heads contiguous in ``x``."""
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and serves(x, cos, sin)
+    """Whether ``rotary_`` takes these: as ``serves``, each row's heads contiguous in ``x``, and an even
+    head size (two halves)."""
+    return (x.dim() == 3 and x.shape[2] % 2 == 0 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and serves(x, cos, sin))
 
 
 def can_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
