@@ -35,15 +35,13 @@ struct Elem<uint16_t> {
 };
 
 #ifdef STRATA_AVX512
-// 16 values of T at p (the lanes in mask) as float32, and back, rounded as Elem<T>::store rounds.
+// 16 values of T at p (the lanes in mask) as float32: paged_decode_kernels.h's load16 for T's dtype.
 template <typename T>
-inline __m512 load16(const T* p, __mmask16 mask) {
-  if constexpr (std::is_same_v<T, float>)
-    return _mm512_maskz_loadu_ps(mask, p);
-  else
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+inline __m512 load_row16(const T* p, __mmask16 mask) {
+  return load16<Elem<T>::kDtype>(p, 0, mask);
 }
 
+// Back to T, rounded as Elem<T>::store rounds (store16, below).
 // The bfloat16 bits of 16 float32 values in the low half of each lane: f32_to_bf16, 16 at a time.
 inline __m512i bf16_bits16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -80,7 +78,7 @@ void add_row(T* residual, const T* addend, int64_t n) {
 #ifdef STRATA_AVX512
   for (; i < n; i += 16) {
     const __mmask16 mask = lanes(n - i);
-    store16(residual + i, _mm512_add_ps(load16(residual + i, mask), load16(addend + i, mask)), mask);
+    store16(residual + i, _mm512_add_ps(load_row16(residual + i, mask), load_row16(addend + i, mask)), mask);
   }
 #endif
   for (; i < n; ++i) residual[i] = Elem<T>::store(Elem<T>::load(residual[i]) + Elem<T>::load(addend[i]));
@@ -95,7 +93,7 @@ void rms_norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
 #ifdef STRATA_AVX512
   __m512 lane_sums = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = load16(x + i, lanes(n - i));
+    const __m512 v = load_row16(x + i, lanes(n - i));
     lane_sums = _mm512_add_ps(lane_sums, _mm512_mul_ps(v, v));
   }
   _mm512_storeu_ps(sums, lane_sums);
@@ -112,8 +110,8 @@ void rms_norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
   const __m512 scale = _mm512_set1_ps(inverse);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = lanes(n - i);
-    const __m512 normed = round16<T>(_mm512_mul_ps(load16(x + i, mask), scale));
-    store16(out + i, _mm512_mul_ps(load16(weight + i, mask), normed), mask);
+    const __m512 normed = round16<T>(_mm512_mul_ps(load_row16(x + i, mask), scale));
+    store16(out + i, _mm512_mul_ps(load_row16(weight + i, mask), normed), mask);
   }
 #else
   for (int64_t i = 0; i < n; ++i)
@@ -130,11 +128,11 @@ void rotate_head(T* x, const T* cos, const T* sin, int64_t dim) {
 #ifdef STRATA_AVX512
   for (; d < half; d += 16) {
     const __mmask16 mask = lanes(half - d);
-    const __m512 x1 = load16(x + d, mask), x2 = load16(x + d + half, mask);
-    const __m512 partner1 = round16<T>(_mm512_mul_ps(x1, load16(sin + d, mask)));
-    const __m512 partner2 = round16<T>(_mm512_mul_ps(x2, load16(sin + d + half, mask)));
-    const __m512 c1 = round16<T>(_mm512_mul_ps(x1, load16(cos + d, mask)));
-    const __m512 c2 = round16<T>(_mm512_mul_ps(x2, load16(cos + d + half, mask)));
+    const __m512 x1 = load_row16(x + d, mask), x2 = load_row16(x + d + half, mask);
+    const __m512 partner1 = round16<T>(_mm512_mul_ps(x1, load_row16(sin + d, mask)));
+    const __m512 partner2 = round16<T>(_mm512_mul_ps(x2, load_row16(sin + d + half, mask)));
+    const __m512 c1 = round16<T>(_mm512_mul_ps(x1, load_row16(cos + d, mask)));
+    const __m512 c2 = round16<T>(_mm512_mul_ps(x2, load_row16(cos + d + half, mask)));
     store16(x + d, _mm512_add_ps(c1, partner2), mask);
     store16(x + d + half, _mm512_add_ps(c2, partner1), mask);
   }
@@ -158,12 +156,12 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (; i < count; i += 16) {
     const __mmask16 mask = lanes(count - i);
-    const __m512 x = load16(gate + i, mask);
+    const __m512 x = load_row16(gate + i, mask);
     // sigmoid from e = exp(-|x|) <= 1: 1 / (1 + e) for x >= 0, e / (1 + e) below
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
     const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), _mm512_add_ps(one, e));
-    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(x, sigmoid)), load16(up + i, mask)), mask);
+    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(x, sigmoid)), load_row16(up + i, mask)), mask);
   }
 #endif
   for (; i < count; ++i) {
