@@ -80,7 +80,9 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
   if constexpr (std::is_same_v<T, float>) {
     const float* xp = x;
     if (m > 1) {
-      split.once([&] { pack_x_into<float>(packed, x, m, k, k, k, 1, [](float v) { return v; }); });
+      split.items(passes_of(m), 1, [&](int64_t pass) {
+        pack_x_pass<float>(packed, x, m, k, k, k, 1, [](float v) { return v; }, pass);
+      });
       xp = packed;
     }
     run_panels_f32(xp, m, k, static_cast<const float*>(blocked), k * kPanel, k, n, store, split);
@@ -93,7 +95,7 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
     }
     const P* xp = reinterpret_cast<const P*>(x);
     if (m > 1 || k % 2 || !std::is_same_v<P, uint16_t>) {
-      split.once([&] { pack_x_into<P>(packed, x, m, k, k, k_pairs, 2, x_element); });
+      split.items(passes_of(m), 1, [&](int64_t pass) { pack_x_pass<P>(packed, x, m, k, k, k_pairs, 2, x_element, pass); });
       xp = packed;
     }
     run_panels<PanelBF16>(xp, m, 2 * k_pairs, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs,

@@ -7,7 +7,8 @@
 // x is first packed (tiny, once per call) in passes of kRowsPerPass rows interleaved along K, so the
 // inner loop broadcasts each row's element from one pointer. Each thread streams through a contiguous
 // run of panels, holding a pass of rows against one panel in registers: M rows cost one pass over the
-// weights (more rows re-read the panel from cache, not from memory).
+// weights (more rows re-read the panel from cache, not from memory). The threads share the panels as
+// the decode step's do (ProgressSplit, work_split.h).
 // bfloat16 from kAmxMinRows rows runs on AMX tiles where the CPU and the OS allow (linear_panels.h).
 
 #include "linear_panels.h"
@@ -23,9 +24,10 @@ void linear_f32(const float* x, int64_t m, int64_t x_stride, const float* blocke
         float* out = y + row * y_stride + first_out;
         for (int o = 0; o < num_outs; ++o) out[o] = acc[o] + (bias ? bias[first_out + o] : 0.0f);
     };
+    PhaseCounters counters(1);
 #pragma omp parallel
     {
-        OmpSplit split;
+        ProgressSplit split(counters);
         run_panels_f32(x_packed.data(), m, k, blocked, k * kPanel, k, n, store, split);
     }
 }
@@ -41,17 +43,19 @@ void linear_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t*
     };
     if (amx_serves(m, k)) {
         std::vector<uint16_t> scratch(m % kTileRows ? kTileRows * k : 0);
+        PhaseCounters counters(2);  // the tail tile's copy, the panels
 #pragma omp parallel
         {
-            OmpSplit split;
+            ProgressSplit split(counters);
             run_panels_amx(x, m, x_stride, blocked, k_pairs * 2 * kPanel, k_pairs, n, scratch.data(), store, split);
         }
         return;
     }
     const std::vector<XElement> x_packed = pack_x<XElement>(x, m, x_stride, k, k_pairs, 2, x_element);
+    PhaseCounters counters(1);
 #pragma omp parallel
     {
-        OmpSplit split;
+        ProgressSplit split(counters);
         run_panels<PanelBF16>(x_packed.data(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store, split);
     }
 }

@@ -82,6 +82,33 @@ class ProgressSplit {
       for (int64_t i = first; i < last; ++i) f(i);
       c.done.fetch_add(last - first, std::memory_order_release);
     }
+    wait_for(c, n);
+  }
+
+  // As items, with f(i, next): `next` the item this thread runs after i, or -1 when none. The next run
+  // of items is claimed before the last item of the current one runs, so that f can prefetch for it.
+  template <typename F>
+  void items_ahead(int64_t n, int64_t grab, F&& f) {
+    PhaseCounter& c = counters_.at(phase_++);
+    int64_t first = c.next.fetch_add(grab, std::memory_order_relaxed);
+    while (first < n) {
+      const int64_t last = std::min(n, first + grab);
+      for (int64_t i = first; i + 1 < last; ++i) f(i, i + 1);
+      const int64_t following = c.next.fetch_add(grab, std::memory_order_relaxed);
+      f(last - 1, following < n ? following : -1);
+      c.done.fetch_add(last - first, std::memory_order_release);
+      first = following;
+    }
+    wait_for(c, n);
+  }
+
+  template <typename F>
+  void once(F&& f) {
+    items(1, 1, [&](int64_t) { f(); });
+  }
+
+ private:
+  void wait_for(PhaseCounter& c, int64_t n) {
     // Spin a little (the other items are usually moments from done), then give the core away between
     // looks: the thread we wait for may be waiting for this very core.
     for (int spins = 0; c.done.load(std::memory_order_acquire) < n; ++spins) {
@@ -92,12 +119,6 @@ class ProgressSplit {
     }
   }
 
-  template <typename F>
-  void once(F&& f) {
-    items(1, 1, [&](int64_t) { f(); });
-  }
-
- private:
   PhaseCounters& counters_;
   size_t phase_ = 0;
 };
