@@ -1,5 +1,5 @@
 """The torch attention backend against a naive reference: every path (native decode, sparse decode,
-gathered decode, prefill with and without a cached prefix), with and without a sliding window, on
+gathered decode, native prefill, SDPA prefill with and without a cached prefix), with and without a sliding window, on
 scattered blocks."""
 
 import random
@@ -84,3 +84,6 @@ def test_every_path_matches_reference(window, decode_path):
     taken = [name for name, taken in [("native", index.native_decode), ("sparse", index.sparse_decode is not None),
                                       ("gathered", index.gathered_decode is not None)] if taken]
     assert taken == [decode_path]
+    # float32 prefill rows take the native kernel where decode rows may (none left for SDPA)
+    assert (index.native_prefill_starts is not None) == (decode_path == "native")
+    assert not index.prefills if decode_path == "native" else len(index.prefills) == len(requests) - decodes

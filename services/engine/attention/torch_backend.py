@@ -1,7 +1,7 @@
 """Paged attention in plain torch, with a native decode kernel: the CPU path, and the reference the
 Triton backend is checked against.
 
-Four paths, chosen per request:
+Five paths, chosen per request:
 
 - **Native decode** (one new token, any dtype, on the CPU where ``cpu_kernels.paged_decode`` is built):
   a C++ kernel reads each request's K/V rows straight from the pools through its block table, once
@@ -17,10 +17,15 @@ Four paths, chosen per request:
   kernel): the contexts are gathered from the pool whole blocks at a time with one ``index_select``
   (contiguous copies of ``block_size`` tokens, about twice as fast as token rows), padded to the
   longest, and attended with ``scaled_dot_product_attention`` under a length mask.
-- **Prefill** (more than one new token), one ``scaled_dot_product_attention`` per request, so no work
-  is spent on padding: a request without a cached prefix attends its own new K/V with
-  ``is_causal``; one with a prefix gathers its context from the pool under a causal mask offset by it.
-  (SDPA's CPU kernel runs bfloat16 about as fast as float32 here, so 16-bit prefill needs no upcast.)
+- **Native prefill** (more than one new token, float32, on the CPU where ``cpu_kernels.paged_prefill``
+  is built): a C++ kernel attends every prefill row of the step in one call, causally, straight from
+  the pools (cached prefix, earlier chunks and the new K/V alike), skipping the keys past each block of
+  queries. Against the SDPA path below, one prompt of the small shape's heads (8 over 4, dim 64), two
+  threads: 1.4-1.6x faster at 128-288 tokens, 2.0x at 512, 1.1x at 2048.
+- **Prefill** otherwise, one ``scaled_dot_product_attention`` per request, so no work is spent on
+  padding: a request without a cached prefix attends its own new K/V with ``is_causal``; one with a
+  prefix gathers its context from the pool under a causal mask offset by it. bfloat16 stays here:
+  SDPA's CPU kernel runs it on AMX, 1.8-3x faster than the native kernel's float32 FMAs.
 
 A layer with a sliding window W (Mistral, some Qwen2 layers) sees the last W positions only: its decode
 rows list just those, and its prefill masks cut what lies further back. The cache keeps every block.
@@ -36,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
-from services.engine.cpu_kernels import paged_decode
+from services.engine.cpu_kernels import paged_decode, paged_prefill
 
 # The decode path builds a CSR pattern per step; torch says once per process that CSR is beta.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
@@ -77,12 +82,15 @@ class PrefillChunk:
 @dataclass
 class StepIndex:
     """What one step's layers of one sliding window (None: whole contexts) attend with. Decode rows
-    take at most one path: native (no index: the kernel reads the block tables), sparse or gathered."""
+    take at most one path: native (no index: the kernel reads the block tables), sparse or gathered;
+    prefill rows either the native kernel (``native_prefill_starts``) or SDPA per chunk (``prefills``)."""
 
     native_decode: bool
     sparse_decode: SparseDecodeIndex | None
     gathered_decode: GatheredDecodeIndex | None
     prefills: list[PrefillChunk]
+    # [num_prefills + 1]: each prefill request's first row among the prefill rows (native prefill), or None
+    native_prefill_starts: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,11 +100,14 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
-                 use_native_decode: bool = True) -> None:
-        """``use_native_decode``: decode rows on the CPU through the native kernel where it is built and
-        takes this shape (False: the torch paths everywhere, as where there is no compiler)."""
+                 use_native_kernels: bool = True) -> None:
+        """``use_native_kernels``: decode (and float32 prefill) rows on the CPU through the native kernels
+        where they are built and take this shape (False: the torch paths everywhere, as where there is
+        no compiler)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        self.use_native_decode = use_native_decode and paged_decode.can_run(num_heads, num_kv_heads, head_dim, dtype)
+        self.use_native_decode = use_native_kernels and paged_decode.can_run(num_heads, num_kv_heads, head_dim, dtype)
+        self.use_native_prefill = (use_native_kernels and dtype == torch.float32
+                                   and paged_prefill.can_run(num_heads, num_kv_heads, head_dim, dtype))
         self.use_sparse_decode = dtype == torch.float32
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
@@ -123,6 +134,10 @@ class TorchAttentionBackend(AttentionBackend):
             outputs.append(self._decode(decode_q, k_cache, v_cache, index.sparse_decode))
         if index.gathered_decode is not None:
             outputs.append(self._gathered_decode(decode_q, k_cache, v_cache, index.gathered_decode))
+        if index.native_prefill_starts is not None:
+            outputs.append(paged_prefill.paged_prefill(
+                q[num_decodes:], k_cache, v_cache, metadata.block_tables[num_decodes:], index.native_prefill_starts,
+                metadata.context_lens[num_decodes:], self.scale, sliding_window))
         outputs.extend(self._prefill(q, k, v, k_slots, v_slots, chunk) for chunk in index.prefills)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -134,6 +149,9 @@ class TorchAttentionBackend(AttentionBackend):
             sparse = self._sparse_decode_index(metadata, num_decodes, window)
         elif num_decodes and not native:
             gathered = self._gathered_decode_index(metadata, num_decodes, window)
+        if metadata.num_prefills and self.use_native_prefill and metadata.slot_mapping.device.type == "cpu":
+            starts = metadata.query_start_loc[num_decodes:] - metadata.query_start_loc[num_decodes]
+            return StepIndex(native, sparse, gathered, [], starts)
         return StepIndex(native, sparse, gathered, self._prefill_chunks(metadata, window))
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

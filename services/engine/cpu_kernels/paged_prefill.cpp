@@ -1,0 +1,339 @@
+// Paged prefill attention on the CPU: the new tokens of each request attend, causally, to every position
+// up to their own, K/V read straight from the block pools (a cached prefix, an earlier chunk and this
+// chunk's own K/V, which the caller stored first, alike).
+//
+// A work item is one kv head of a block of a request's query tokens: the GQA group's heads of those
+// tokens, M = tokens x group <= kRows query rows. Their keys go by in tiles of kKeyTile tokens, each tile's
+// K and V rows converted once into float32 scratch, and an online softmax runs per query row:
+//   scores^T [tile][M] = K_tile Q^T: 4 keys x 64 rows of float32 FMAs at a time, each key element
+//                        broadcast against Q^T's rows (Q^T is laid out once per item, by 16 x 16
+//                        transposes), so no dot product is reduced across lanes;
+//   the causal (and sliding-window) mask, the running max and sum, lane-wise over the rows;
+//   O [M][D] += P V_tile: 4 rows x 64 dims of FMAs at a time.
+// Tiles past a block's last query position are never read, and the next tile's rows are asked for
+// from memory while one is loaded. Accumulation is float32 whatever the pools hold (float32, bfloat16
+// or float16); the output is float32 (the caller casts). Measured against SDPA in torch_backend.py.
+
+#include <memory>
+
+#include "paged_decode_kernels.h"
+
+namespace {
+
+constexpr int64_t kRows = 64;      // query rows of a work item (four vectors of 16 lanes)
+constexpr int kRowVectors = kRows / 16;
+constexpr int64_t kKeyTile = 32;   // keys per tile
+constexpr int64_t kKeysPerPass = 4;
+
+struct PrefillProblem {
+  const void* q;             // [T, num_heads, head_dim], strides (q_stride_tok, q_stride_head, 1)
+  const void* k_cache;       // [blocks, block_size, num_kv_heads, head_dim]
+  const void* v_cache;
+  const int64_t* block_tables;    // [num_reqs, >= blocks], row stride table_stride
+  const int64_t* query_start;     // [num_reqs + 1]: request r's rows of q
+  const int64_t* context_lens;    // [num_reqs]: positions before its first query
+  float* out;                // [T, num_heads, head_dim], contiguous
+  int64_t num_reqs, num_heads, num_kv_heads, head_dim, block_size;
+  int64_t q_stride_tok, q_stride_head, table_stride;
+  int64_t window;  // 0: whole context
+  float scale;
+};
+
+// One work item's state: Q^T (scaled), the tile's K and V in float32, the scores, the output rows.
+// K, V and O rows lie `ld` (head_dim rounded up to 16) floats apart, not kMaxHeadDim: rows a whole 1 KB
+// apart would all fall in the same few sets of the L1 cache and evict each other.
+struct Scratch {
+  alignas(64) float q_t[kMaxHeadDim][kRows];
+  alignas(64) float k[kKeyTile * kMaxHeadDim];
+  alignas(64) float v[kKeyTile * kMaxHeadDim];
+  alignas(64) float scores[kKeyTile][kRows];  // transposed: [key][row]
+  alignas(64) float o[kRows * kMaxHeadDim];
+  alignas(64) float max[kRows];
+  alignas(64) float sum[kRows];
+  alignas(64) int32_t pos[kRows];  // each row's query position; -1 for rows past the item's
+  int64_t ld = 0;
+};
+
+// The tile's K (or V) rows of `kv_head` for positions [t0, t0 + n), as float32 rows `ld` apart, zero
+// past head_dim; the next tile's rows (up to position `last`) are asked for meanwhile, one per row loaded.
+template <int Dt>
+void load_rows(const PrefillProblem& p, const int64_t* table, const void* pool, int64_t kv_head, int64_t t0,
+               int64_t n, int64_t last, int64_t ld, float* rows) {
+  const int64_t dim = p.head_dim;
+  auto offset_of = [&](int64_t pos) {
+    return ((table[pos / p.block_size] * p.block_size + pos % p.block_size) * p.num_kv_heads + kv_head) * dim;
+  };
+  const char* base = static_cast<const char*>(pool);
+  const int64_t row_bytes = dim * element_size<Dt>();
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = t0 + t;
+    const int64_t offset = offset_of(pos);
+    if (pos + kKeyTile <= last) {
+      const char* ahead = base + offset_of(pos + kKeyTile) * element_size<Dt>();
+      for (int64_t b = 0; b < row_bytes; b += 64) prefetch(ahead + b);
+    }
+#ifdef STRATA_AVX512
+    for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(rows + t * ld + d, load16<Dt>(pool, offset + d, lanes(dim - d)));
+#else
+    for (int64_t d = 0; d < dim; ++d) rows[t * ld + d] = to_float<Dt>(pool, offset + d);
+#endif
+  }
+}
+
+#ifdef STRATA_AVX512
+// rows[i] becomes column i of the 16 x 16 block the rows held.
+inline void transpose16(__m512 rows[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: column 4L + j of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), b = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88), d = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+    rows[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    rows[8 + j] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    rows[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    rows[12 + j] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+}
+#endif
+
+// scores[t][r] = q_r . k_t for t < n, every row (the rows past the item's are zero in q_t).
+void score_tile(const Scratch& s, int64_t dim, int64_t n, float (*scores)[kRows]) {
+  for (int64_t t0 = 0; t0 < n; t0 += kKeysPerPass) {
+    const int64_t keys = std::min(kKeysPerPass, n - t0);
+#ifdef STRATA_AVX512
+    __m512 acc[kKeysPerPass][kRowVectors];
+    for (int j = 0; j < kKeysPerPass; ++j)
+      for (int c = 0; c < kRowVectors; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      __m512 q[kRowVectors];
+      for (int c = 0; c < kRowVectors; ++c) q[c] = _mm512_load_ps(s.q_t[d] + 16 * c);
+      for (int j = 0; j < kKeysPerPass; ++j) {  // past n: stale keys, whose scores are not stored
+        const __m512 key = _mm512_set1_ps(s.k[(t0 + j) * s.ld + d]);
+        for (int c = 0; c < kRowVectors; ++c) acc[j][c] = _mm512_fmadd_ps(key, q[c], acc[j][c]);
+      }
+    }
+    for (int64_t j = 0; j < keys; ++j)
+      for (int c = 0; c < kRowVectors; ++c) _mm512_store_ps(scores[t0 + j] + 16 * c, acc[j][c]);
+#else
+    for (int64_t j = 0; j < keys; ++j)
+      for (int64_t r = 0; r < kRows; ++r) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) dot += s.q_t[d][r] * s.k[(t0 + j) * s.ld + d];
+        scores[t0 + j][r] = dot;
+      }
+#endif
+  }
+}
+
+// Masks the tile's scores (keys at t0 + t a row may not see), updates each row's running max and sum,
+// rescales its output row, and turns the scores into weights.
+void softmax_tile(Scratch& s, int64_t dim, int64_t t0, int64_t n, int64_t window) {
+  alignas(64) float rescale[kRows];
+#ifdef STRATA_AVX512
+  for (int64_t r0 = 0; r0 < kRows; r0 += 16) {
+    const __m512i pos = _mm512_load_si512(s.pos + r0);
+    __mmask16 seen[kKeyTile];
+    __m512 tile_max = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512i key = _mm512_set1_epi32(int32_t(t0 + t));
+      seen[t] = _mm512_cmp_epi32_mask(key, pos, _MM_CMPINT_LE);  // causal (rows at -1 see nothing)
+      if (window > 0)
+        seen[t] &= _mm512_cmp_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32(int32_t(window))),
+                                         _MM_CMPINT_GT);
+      tile_max = _mm512_mask_max_ps(tile_max, seen[t], tile_max, _mm512_load_ps(s.scores[t] + r0));
+    }
+    const __m512 old_max = _mm512_load_ps(s.max + r0);
+    const __m512 new_max = _mm512_max_ps(old_max, tile_max);
+    // Rows that have seen no key yet keep max -inf: their weights are 0 and nothing is rescaled.
+    const __mmask16 live = _mm512_cmp_ps_mask(new_max, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 shift = _mm512_maskz_mov_ps(live, new_max);
+    const __m512 factor = _mm512_mask_blend_ps(
+        _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+        _mm512_set1_ps(1.0f), exp_nonpositive(_mm512_sub_ps(old_max, shift)));
+    __m512 tile_sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 w = _mm512_maskz_mov_ps(seen[t], exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(s.scores[t] + r0), shift)));
+      _mm512_store_ps(s.scores[t] + r0, w);
+      tile_sum = _mm512_add_ps(tile_sum, w);
+    }
+    _mm512_store_ps(s.max + r0, new_max);
+    _mm512_store_ps(s.sum + r0, _mm512_fmadd_ps(_mm512_load_ps(s.sum + r0), factor, tile_sum));
+    _mm512_store_ps(rescale + r0, factor);
+  }
+#else
+  for (int64_t r = 0; r < kRows; ++r) {
+    auto sees = [&](int64_t key) { return key <= s.pos[r] && (window <= 0 || key > s.pos[r] - window); };
+    float tile_max = -INFINITY;
+    for (int64_t t = 0; t < n; ++t)
+      if (sees(t0 + t)) tile_max = std::max(tile_max, s.scores[t][r]);
+    const float new_max = std::max(s.max[r], tile_max);
+    const float shift = new_max == -INFINITY ? 0.0f : new_max;
+    rescale[r] = s.max[r] == -INFINITY ? 1.0f : std::exp(s.max[r] - shift);
+    float tile_sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      s.scores[t][r] = sees(t0 + t) ? std::exp(s.scores[t][r] - shift) : 0.0f;
+      tile_sum += s.scores[t][r];
+    }
+    s.max[r] = new_max;
+    s.sum[r] = s.sum[r] * rescale[r] + tile_sum;
+  }
+#endif
+  for (int64_t r = 0; r < kRows; ++r)
+    if (rescale[r] != 1.0f)
+      for (int64_t d = 0; d < dim; ++d) s.o[r * s.ld + d] *= rescale[r];
+}
+
+// o[r] += sum_t weight[t][r] * v_t for the rows r0 .. r0 + 3 and the Vectors x 16 dims from d0.
+#ifdef STRATA_AVX512
+template <int Vectors>
+void accumulate_rows(Scratch& s, int64_t n, int64_t r0, int64_t d0) {
+  __m512 acc[4][Vectors];
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm512_load_ps(s.o + (r0 + i) * s.ld + d0 + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[Vectors];
+    for (int c = 0; c < Vectors; ++c) v[c] = _mm512_load_ps(s.v + t * s.ld + d0 + 16 * c);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 w = _mm512_set1_ps(s.scores[t][r0 + i]);
+      for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < Vectors; ++c) _mm512_store_ps(s.o + (r0 + i) * s.ld + d0 + 16 * c, acc[i][c]);
+}
+#endif
+
+// o[r] += sum_t weight[t][r] * v_t for every row below `rows` rounded up to 4 (o's rows up to kRows
+// exist; those past the item's stay unused).
+void accumulate_tile(Scratch& s, int64_t dim, int64_t n, int64_t rows) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+#ifdef STRATA_AVX512
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+      switch (std::min<int64_t>(4, (dim - d0 + 15) / 16)) {
+        case 1: accumulate_rows<1>(s, n, r0, d0); break;
+        case 2: accumulate_rows<2>(s, n, r0, d0); break;
+        case 3: accumulate_rows<3>(s, n, r0, d0); break;
+        default: accumulate_rows<4>(s, n, r0, d0); break;
+      }
+    }
+#else
+    for (int64_t i = r0; i < std::min<int64_t>(r0 + 4, kRows); ++i)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = 0; d < dim; ++d) s.o[i * s.ld + d] += s.scores[t][i] * s.v[t * s.ld + d];
+#endif
+  }
+}
+
+// Request `req`'s query tokens [first, first + tokens) (of its new ones), heads of `kv_head`'s group.
+template <int Dt>
+void attend_block(const PrefillProblem& p, int64_t req, int64_t kv_head, int64_t first, int64_t tokens, Scratch& s) {
+  const int64_t group = p.num_heads / p.num_kv_heads, dim = p.head_dim;
+  const int64_t rows = tokens * group;
+  const int64_t context = p.context_lens[req];
+  const int64_t* table = p.block_tables + req * p.table_stride;
+  s.ld = (dim + 15) / 16 * 16;
+  std::fill(s.o, s.o + kRows * s.ld, 0.0f);
+  for (int64_t r = 0; r < kRows; ++r) {
+    s.pos[r] = r < rows ? int32_t(context + first + r / group) : -1;
+    s.max[r] = -INFINITY;
+    s.sum[r] = 0.0f;
+  }
+  auto q_offset = [&](int64_t r) {  // of query row r's head_dim elements in q
+    const int64_t row = p.query_start[req] + first + r / group, head = kv_head * group + r % group;
+    return row * p.q_stride_tok + head * p.q_stride_head;
+  };
+#ifdef STRATA_AVX512
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  for (int64_t r0 = 0; r0 < kRows; r0 += 16)  // Q^T, 16 x 16 blocks at a time; rows past the item's zero
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      __m512 block[16];
+      for (int64_t i = 0; i < 16; ++i)
+        block[i] = r0 + i < rows ? _mm512_mul_ps(load16<Dt>(p.q, q_offset(r0 + i) + d0, lanes(dim - d0)), scale)
+                                 : _mm512_setzero_ps();
+      transpose16(block);
+      for (int64_t i = 0; i < std::min<int64_t>(16, dim - d0); ++i) _mm512_store_ps(s.q_t[d0 + i] + r0, block[i]);
+    }
+#else
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t d = 0; d < dim; ++d) s.q_t[d][r] = r < rows ? to_float<Dt>(p.q, q_offset(r) + d) * p.scale : 0.0f;
+#endif
+  const int64_t last = context + first + tokens - 1;  // the last query's position: no key lies past it
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, context + first - p.window + 1) : 0;
+  for (int64_t t0 = lo; t0 <= last; t0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, last + 1 - t0);
+    load_rows<Dt>(p, table, p.k_cache, kv_head, t0, n, last, s.ld, s.k);
+    load_rows<Dt>(p, table, p.v_cache, kv_head, t0, n, last, s.ld, s.v);
+    score_tile(s, dim, n, s.scores);
+    softmax_tile(s, dim, t0, n, p.window);
+    accumulate_tile(s, dim, n, rows);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = p.query_start[req] + first + r / group, head = kv_head * group + r % group;
+    float* out = p.out + (row * p.num_heads + head) * dim;
+    const float inverse = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) out[d] = s.o[r * s.ld + d] * inverse;
+  }
+}
+
+template <int Dt>
+void run(const PrefillProblem& p) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t tokens_per_item = std::max<int64_t>(1, kRows / group);
+  // Work items in order: request, kv head, block of query tokens (the items taken together read the
+  // same kv head's K/V, which then stays in cache).
+  std::vector<int64_t> item_start(p.num_reqs + 1, 0);
+  for (int64_t r = 0; r < p.num_reqs; ++r) {
+    const int64_t blocks = (p.query_start[r + 1] - p.query_start[r] + tokens_per_item - 1) / tokens_per_item;
+    item_start[r + 1] = item_start[r] + blocks * p.num_kv_heads;
+  }
+  PhaseCounters counters(1);
+#pragma omp parallel
+  {
+    ProgressSplit split(counters);
+    static thread_local std::unique_ptr<Scratch> scratch;
+    if (!scratch) scratch = std::make_unique<Scratch>();
+    split.items(item_start[p.num_reqs], 1, [&](int64_t item) {
+      const int64_t req = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
+      const int64_t local = item - item_start[req];
+      const int64_t num_tokens = p.query_start[req + 1] - p.query_start[req];
+      const int64_t blocks = (num_tokens + tokens_per_item - 1) / tokens_per_item;
+      const int64_t first = local % blocks * tokens_per_item;
+      attend_block<Dt>(p, req, local / blocks, first, std::min(tokens_per_item, num_tokens - first), *scratch);
+    });
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q: [T, num_heads, head_dim] with strides (q_stride_tok, q_stride_head, 1); request r owns rows
+// query_start[r] .. query_start[r + 1] - 1, at positions context_lens[r] onwards, and sees positions up to
+// each row's own (window > 0: only the last `window` of them). k_cache, v_cache: contiguous [num_blocks,
+// block_size, num_kv_heads, head_dim] of q's dtype, holding every position the rows see; block_tables:
+// [num_reqs, >= blocks] int64 with row stride table_stride; out: contiguous float32 [T, num_heads, head_dim].
+// The same limits as strata_paged_decode (its max group and head dim).
+void strata_paged_prefill(int32_t dtype, const void* q, const void* k_cache, const void* v_cache,
+                          const int64_t* block_tables, const int64_t* query_start, const int64_t* context_lens,
+                          float* out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, int64_t q_stride_tok, int64_t q_stride_head, int64_t table_stride,
+                          int64_t window, float scale) {
+  const PrefillProblem p{q, k_cache, v_cache, block_tables, query_start, context_lens, out, num_reqs, num_heads,
+                         num_kv_heads, head_dim, block_size, q_stride_tok, q_stride_head, table_stride, window, scale};
+  switch (dtype) {
+    case kFloat32: run<kFloat32>(p); break;
+    case kBFloat16: run<kBFloat16>(p); break;
+    case kFloat16: run<kFloat16>(p); break;
+  }
+}
+
+}  // extern "C"
