@@ -45,15 +45,13 @@ def openmp_spin_count() -> int:
     """The GOMP_SPINCOUNT that spins for about ``OPENMP_SPIN_SECONDS`` on this CPU (two significant
     digits), timed once per process on a copy of libgomp's wait loop (``cpu_kernels/spin.cpp``, a
     few milliseconds); ``FALLBACK_SPIN_COUNT`` where that cannot be built."""
-    from services.engine.cpu_kernels.build import load_library
+    from services.engine.cpu_kernels.build import load_function
 
-    library = load_library("spin.cpp")
-    if library is None:
+    spin_seconds = load_function("spin.cpp", "strata_spin_seconds", [ctypes.c_int64], ctypes.c_double)
+    if spin_seconds is None:
         return FALLBACK_SPIN_COUNT
-    library.strata_spin_seconds.argtypes = [ctypes.c_int64]
-    library.strata_spin_seconds.restype = ctypes.c_double
     probe = 20_000
-    return spin_count_for(min(library.strata_spin_seconds(probe) for _ in range(5)) / probe)
+    return spin_count_for(min(spin_seconds(probe) for _ in range(5)) / probe)
 
 
 def spin_count_for(seconds_per_spin: float) -> int:

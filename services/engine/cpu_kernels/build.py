@@ -49,6 +49,17 @@ def load_library(source_name: str) -> ctypes.CDLL | None:
         return _loaded[source_name]
 
 
+def load_function(source_name: str, symbol: str, argtypes: list, restype=None):
+    """The C function ``symbol`` of ``load_library(source_name)`` with its argument and result types
+    set, or None where the library is not built here."""
+    library = load_library(source_name)
+    if library is None:
+        return None
+    function = getattr(library, symbol)
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
 def _build_and_load(source: Path) -> ctypes.CDLL | None:
     if os.environ.get(_DISABLE_ENV) == "1":
         return None

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from services.engine.cpu_kernels import paged_decode
-from services.engine.cpu_kernels.build import load_library
+from services.engine.cpu_kernels.build import load_function
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,8 @@ class _StepInputs(ctypes.Structure):
 
 @functools.cache
 def _kernel() -> ctypes._CFuncPtr | None:
-    library = load_library("decode_forward.cpp")
-    if library is None:
-        return None
-    kernel = library.strata_decode_step
-    kernel.argtypes = [ctypes.c_int32, ctypes.POINTER(_ModelWeights), ctypes.POINTER(_StepInputs)]
-    kernel.restype = None
-    return kernel
+    return load_function("decode_forward.cpp", "strata_decode_step",
+                         [ctypes.c_int32, ctypes.POINTER(_ModelWeights), ctypes.POINTER(_StepInputs)])
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

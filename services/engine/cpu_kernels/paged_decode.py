@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from services.engine.cpu_kernels.build import load_library
+from services.engine.cpu_kernels.build import load_function
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The shortest context span one work item attends when a long context is split across threads.
@@ -20,23 +20,16 @@ MIN_CHUNK_TOKENS = 256
 
 @functools.cache
 def _paged_decode_kernel() -> ctypes._CFuncPtr | None:
-    library = load_library("paged_decode.cpp")
-    if library is None:
-        return None
-    kernel = library.strata_paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel.argtypes = [ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                       ctypes.c_float, i64]
-    kernel.restype = None
-    return kernel
+    return load_function("paged_decode.cpp", "strata_paged_decode",
+                         [ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, ptr, *[i64] * 9, ctypes.c_float, i64])
 
 
 @functools.cache
 def _limits() -> tuple[int, int]:
-    library = load_library("paged_decode.cpp")
-    library.strata_paged_decode_max_group.restype = ctypes.c_int64
-    library.strata_paged_decode_max_head_dim.restype = ctypes.c_int64
-    return library.strata_paged_decode_max_group(), library.strata_paged_decode_max_head_dim()
+    max_group = load_function("paged_decode.cpp", "strata_paged_decode_max_group", [], ctypes.c_int64)
+    max_head_dim = load_function("paged_decode.cpp", "strata_paged_decode_max_head_dim", [], ctypes.c_int64)
+    return max_group(), max_head_dim()
 
 
 def is_available() -> bool:
@@ -76,21 +69,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor) -> None:
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens}
-    for name, tensor in tensors.items():
+def check_q_and_pools(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      **index_tensors: torch.Tensor) -> None:
+    """What the native attention kernels (``kernel``: its name, for the errors) need of every input: all on
+    the CPU; q ``[rows, heads, D]`` of a dtype they take, unit stride along D; contiguous pools of q's
+    dtype ``[blocks, block_size, kv_heads, D]``."""
+    for name, tensor in {"q": q, "k_cache": k_cache, "v_cache": v_cache, **index_tensors}.items():
         if tensor.device.type != "cpu":
-            raise ValueError(f"paged_decode runs on the CPU; {name} is on {tensor.device}")
+            raise ValueError(f"{kernel} runs on the CPU; {name} is on {tensor.device}")
     if q.dtype not in DTYPE_CODES:
-        raise ValueError(f"paged_decode takes float32, bfloat16 or float16, not {q.dtype}")
+        raise ValueError(f"{kernel} takes float32, bfloat16 or float16, not {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"paged_decode needs pools of q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
+        raise ValueError(f"{kernel} needs pools of q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"paged_decode needs q [R, heads, D] and equal pools [blocks, block_size, kv_heads, D]; "
+        raise ValueError(f"{kernel} needs q [rows, heads, D] and equal pools [blocks, block_size, kv_heads, D]; "
                          f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if q.stride(2) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
-        raise ValueError("paged_decode needs contiguous pools and q with unit stride along head_dim")
+        raise ValueError(f"{kernel} needs contiguous pools and q with unit stride along head_dim")
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor) -> None:
+    check_q_and_pools("paged_decode", q, k_cache, v_cache, block_tables=block_tables, seq_lens=seq_lens)
     if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
         raise ValueError(f"paged_decode needs int64 block_tables and seq_lens, got {block_tables.dtype}, "
                          f"{seq_lens.dtype}")

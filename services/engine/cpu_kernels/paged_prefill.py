@@ -15,20 +15,14 @@ import functools
 import torch
 
 from services.engine.cpu_kernels import paged_decode
-from services.engine.cpu_kernels.build import load_library
+from services.engine.cpu_kernels.build import load_function
 
 
 @functools.cache
 def _kernel() -> ctypes._CFuncPtr | None:
-    library = load_library("paged_prefill.cpp")
-    if library is None:
-        return None
-    kernel = library.strata_paged_prefill
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel.argtypes = [ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
-                       i64, ctypes.c_float]
-    kernel.restype = None
-    return kernel
+    return load_function("paged_prefill.cpp", "strata_paged_prefill",
+                         [ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, *[i64] * 9, ctypes.c_float])
 
 
 def is_available() -> bool:
@@ -71,18 +65,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            query_start: torch.Tensor, context_lens: torch.Tensor) -> None:
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
-               "query_start": query_start, "context_lens": context_lens}
-    for name, tensor in tensors.items():
-        if tensor.device.type != "cpu":
-            raise ValueError(f"paged_prefill runs on the CPU; {name} is on {tensor.device}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"paged_prefill needs pools of q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"paged_prefill needs q [T, heads, D] and equal pools [blocks, block_size, kv_heads, D]; "
-                         f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if q.stride(2) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
-        raise ValueError("paged_prefill needs contiguous pools and q with unit stride along head_dim")
+    paged_decode.check_q_and_pools("paged_prefill", q, k_cache, v_cache, block_tables=block_tables,
+                                   query_start=query_start, context_lens=context_lens)
     num_reqs = context_lens.shape[0]
     for name, tensor, shape in (("query_start", query_start, (num_reqs + 1,)), ("context_lens", context_lens, (num_reqs,))):
         if tensor.dtype != torch.int64 or tensor.shape != shape or tensor.stride(0) != 1:
