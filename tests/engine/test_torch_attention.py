@@ -84,6 +84,16 @@ def test_every_path_matches_reference(window, decode_path):
     taken = [name for name, taken in [("native", index.native_decode), ("sparse", index.sparse_decode is not None),
                                       ("gathered", index.gathered_decode is not None)] if taken]
     assert taken == [decode_path]
-    # float32 prefill rows take the native kernel where decode rows may (none left for SDPA)
+    # float32 prefill rows take the native kernel where decode rows may (none left for SDPA); bfloat16 SDPA
     assert (index.native_prefill_starts is not None) == (decode_path == "native")
     assert not index.prefills if decode_path == "native" else len(index.prefills) == len(requests) - decodes
+
+
+@pytest.mark.parametrize("dtype, native", [(torch.float32, True), (torch.float16, True), (torch.bfloat16, False)],
+                         ids=str)
+def test_prefill_takes_the_native_kernel_where_it_beats_sdpa(dtype, native):
+    if not paged_decode.is_available():
+        pytest.skip("no C++ compiler: the native kernels are off")
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, dtype)
+    assert backend.use_native_prefill == native
+    assert not TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, dtype, False).use_native_prefill
