@@ -2,12 +2,11 @@
 cached prefix (an earlier chunk), one-token and long chunks, odd head dims and GQA groups, sliding
 windows, scattered blocks, every pool dtype; and the inputs it refuses."""
 
-import random
-
 import pytest
 import torch
 
 from services.engine.cpu_kernels.paged_prefill import is_available, paged_prefill, paged_prefill_ref
+from tests.engine.test_cpu_paged_decode import make_batch as paged_decode_batch
 
 pytestmark = pytest.mark.skipif(not is_available(), reason="no C++ compiler: the native kernels are off")
 
@@ -18,17 +17,11 @@ REQUESTS = [(0, 37), (20, 5), (0, 1), (100, 130), (7, 64)]
 
 def make_batch(requests, block_size, num_kv_heads, group, head_dim, dtype, seed=0):
     """q as a strided view of a fused qkv (as the model gives it); pools of scattered blocks holding
-    every position of every request (the caller stores the new tokens' K/V before attending)."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
+    every position of every request (the caller stores the new tokens' K/V before attending), built as
+    the decode kernel's test builds them."""
     totals = [cached + new for cached, new in requests]
-    num_blocks = sum(-(-n // block_size) for n in totals) + 3
-    free = rng.sample(range(num_blocks), num_blocks)
-    width = max(-(-n // block_size) for n in totals)
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in totals]
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    _, k_cache, v_cache, block_tables, _ = paged_decode_batch(totals, block_size, num_kv_heads, group, head_dim,
+                                                              dtype, seed)
     num_heads = num_kv_heads * group
     qkv = torch.randn(sum(new for _, new in requests), num_heads + 2 * num_kv_heads, head_dim).to(dtype)
     news = torch.tensor([new for _, new in requests])

@@ -261,16 +261,10 @@ void pack_x_pass(XT* packed, const From* x, int64_t m, int64_t x_stride, int64_t
 }
 
 template <typename XT, typename From, typename Convert>
-void pack_x_into(XT* packed, const From* x, int64_t m, int64_t x_stride, int64_t k, int64_t k_steps, int group,
-                 Convert convert) {
-    for (int64_t p = 0; p * kRowsPerPass < m; ++p) pack_x_pass(packed, x, m, x_stride, k, k_steps, group, convert, p);
-}
-
-template <typename XT, typename From, typename Convert>
 std::vector<XT> pack_x(const From* x, int64_t m, int64_t x_stride, int64_t k, int64_t k_steps, int group,
                        Convert convert) {
     std::vector<XT> packed(m * k_steps * group);
-    pack_x_into(packed.data(), x, m, x_stride, k, k_steps, group, convert);
+    for (int64_t p = 0; p < passes_of(m); ++p) pack_x_pass(packed.data(), x, m, x_stride, k, k_steps, group, convert, p);
     return packed;
 }
 

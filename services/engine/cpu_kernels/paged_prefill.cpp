@@ -16,7 +16,7 @@
 
 #include <memory>
 
-#include "paged_decode_kernels.h"
+#include "paged_decode_kernels.h"  // load16, lanes, exp_nonpositive, prefetch
 
 namespace {
 
@@ -106,7 +106,7 @@ inline void transpose16(__m512 rows[16]) {
 #endif
 
 // scores[t][r] = q_r . k_t for t < n, every row (the rows past the item's are zero in q_t).
-void score_tile(const Scratch& s, int64_t dim, int64_t n, float (*scores)[kRows]) {
+void score_keys(const Scratch& s, int64_t dim, int64_t n, float (*scores)[kRows]) {
   for (int64_t t0 = 0; t0 < n; t0 += kKeysPerPass) {
     const int64_t keys = std::min(kKeysPerPass, n - t0);
 #ifdef STRATA_AVX512
@@ -136,7 +136,7 @@ void score_tile(const Scratch& s, int64_t dim, int64_t n, float (*scores)[kRows]
 
 // Masks the tile's scores (keys at t0 + t a row may not see), updates each row's running max and sum,
 // rescales its output row, and turns the scores into weights.
-void softmax_tile(Scratch& s, int64_t dim, int64_t t0, int64_t n, int64_t window) {
+void softmax_keys(Scratch& s, int64_t dim, int64_t t0, int64_t n, int64_t window) {
   alignas(64) float rescale[kRows];
 #ifdef STRATA_AVX512
   for (int64_t r0 = 0; r0 < kRows; r0 += 16) {
@@ -214,7 +214,7 @@ void accumulate_rows(Scratch& s, int64_t n, int64_t r0, int64_t d0) {
 
 // o[r] += sum_t weight[t][r] * v_t for every row below `rows` rounded up to 4 (o's rows up to kRows
 // exist; those past the item's stay unused).
-void accumulate_tile(Scratch& s, int64_t dim, int64_t n, int64_t rows) {
+void accumulate_keys(Scratch& s, int64_t dim, int64_t n, int64_t rows) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
 #ifdef STRATA_AVX512
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
@@ -272,9 +272,9 @@ void attend_block(const PrefillProblem& p, int64_t req, int64_t kv_head, int64_t
     const int64_t n = std::min(kKeyTile, last + 1 - t0);
     load_rows<Dt>(p, table, p.k_cache, kv_head, t0, n, last, s.ld, s.k);
     load_rows<Dt>(p, table, p.v_cache, kv_head, t0, n, last, s.ld, s.v);
-    score_tile(s, dim, n, s.scores);
-    softmax_tile(s, dim, t0, n, p.window);
-    accumulate_tile(s, dim, n, rows);
+    score_keys(s, dim, n, s.scores);
+    softmax_keys(s, dim, t0, n, p.window);
+    accumulate_keys(s, dim, n, rows);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = p.query_start[req] + first + r / group, head = kv_head * group + r % group;
