@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.engine.request import Request
-from services.engine.sampler import Sampler
+from services.engine.sampler import Sampler, greedy_tokens
 from services.engine.sampling_params import SamplingParams
 
 VOCAB = 16
@@ -32,6 +32,17 @@ def test_greedy_and_top_k_1_are_argmax():
     tokens, logprobs = sampler(logits, greedy + top1)
     assert tokens == logits.argmax(-1).tolist()
     assert logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_pick_what_argmax_picks_among_ties_nan_and_minus_inf(dtype):
+    torch.manual_seed(0)
+    logits = torch.randint(0, 3, (64, 8192)).to(dtype)  # every row has thousands of tied maxima
+    logits[5, 100] = float("nan")
+    logits[7] = float("-inf")
+    logits[9, -1] = 5.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[[5, 7, 9]].tolist() == [100, 0, 8191]
 
 
 def test_seeded_request_draws_the_same_alone_and_in_a_batch_of_32():
