@@ -28,6 +28,7 @@ constexpr int kRowsPerPass = 8;
 constexpr int kPrefetchBytes = 1024;  // ahead of the current 64-byte line of the panel stream
 constexpr int kChains = 4;          // independent sums of a one-row panel (hides the FMA latency)
 constexpr int kPanelsPerGrab = 4;     // panels a thread takes at a time (contiguous, one stream to prefetch)
+constexpr int kGroupPanels = 3;       // float32 panels computed together from two rows up (panel_group_f32)
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = uint32_t(h) << 16;
@@ -89,20 +90,20 @@ void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[
 #endif
 }
 
-// As panel_f32 for two adjacent panels at once (the second `panel_elems` after the first), their sums
-// in acc[i] and acc[kRowsPerPass + i]: each broadcast of x feeds two FMAs and 2 * MR independent sums
-// hide the FMA latency (8 rows x 2 panels: 10 loads per 16 FMAs, where one panel took 9 per 8). Each
-// output's sum runs in the same order as panel_f32's, so the results are the same bits.
+// As panel_f32 for NP adjacent panels at once (each `panel_elems` after the one before), panel j's sums
+// in acc[j * kRowsPerPass + i]: each broadcast of x feeds NP FMAs and NP * MR independent sums hide the
+// FMA latency (8 rows x 3 panels: 11 loads per 24 FMAs, where one panel took 9 per 8). Each output's sum
+// runs in the same order as panel_f32's, so the results are the same bits.
 // `ahead`: `ahead_lines` 64-byte lines that the thread reads next, requested into L2 evenly over the
 // k loop, so that their trip from memory overlaps this arithmetic (run_panels_f32).
-template <int MR>
-void panel_pair_f32(const float* x_pass, const float* panel, int64_t panel_elems, int64_t k, float (*acc)[kPanel],
-                    const char* ahead = nullptr, int64_t ahead_lines = 0) {
+template <int MR, int NP>
+void panel_group_f32(const float* x_pass, const float* panel, int64_t panel_elems, int64_t k, float (*acc)[kPanel],
+                     const char* ahead = nullptr, int64_t ahead_lines = 0) {
 #ifdef __AVX512F__
     if constexpr (MR > 1) {
-        const float* second = panel + panel_elems;
-        __m512 sum0[MR], sum1[MR];
-        for (int i = 0; i < MR; ++i) sum0[i] = sum1[i] = _mm512_setzero_ps();
+        __m512 sum[NP][MR];
+        for (int j = 0; j < NP; ++j)
+            for (int i = 0; i < MR; ++i) sum[j][i] = _mm512_setzero_ps();
         const int64_t every = ahead_lines > 0 ? std::max<int64_t>(1, k / ahead_lines) : k + 1;
         int64_t countdown = every;
         for (int64_t kk = 0; kk < k; ++kk) {
@@ -112,24 +113,23 @@ void panel_pair_f32(const float* x_pass, const float* panel, int64_t panel_elems
                 --ahead_lines;
                 countdown = every;
             }
-            prefetch(panel + kk * kPanel);
-            prefetch(second + kk * kPanel);
-            const __m512 w0 = _mm512_loadu_ps(panel + kk * kPanel), w1 = _mm512_loadu_ps(second + kk * kPanel);
+            __m512 w[NP];
+            for (int j = 0; j < NP; ++j) {
+                prefetch(panel + j * panel_elems + kk * kPanel);
+                w[j] = _mm512_loadu_ps(panel + j * panel_elems + kk * kPanel);
+            }
             for (int i = 0; i < MR; ++i) {
                 const __m512 xb = _mm512_set1_ps(x_pass[kk * MR + i]);
-                sum0[i] = _mm512_fmadd_ps(xb, w0, sum0[i]);
-                sum1[i] = _mm512_fmadd_ps(xb, w1, sum1[i]);
+                for (int j = 0; j < NP; ++j) sum[j][i] = _mm512_fmadd_ps(xb, w[j], sum[j][i]);
             }
         }
-        for (int i = 0; i < MR; ++i) {
-            _mm512_storeu_ps(acc[i], sum0[i]);
-            _mm512_storeu_ps(acc[kRowsPerPass + i], sum1[i]);
-        }
+        for (int j = 0; j < NP; ++j)
+            for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[j * kRowsPerPass + i], sum[j][i]);
         return;
     }
 #endif
-    panel_f32<MR>(x_pass, panel, k, acc);  // one row (its own kChains sums), or no AVX-512
-    panel_f32<MR>(x_pass, panel + panel_elems, k, acc + kRowsPerPass);
+    for (int j = 0; j < NP; ++j)  // one row (its own kChains sums), or no AVX-512
+        panel_f32<MR>(x_pass, panel + j * panel_elems, k, acc + j * kRowsPerPass);
 }
 
 // The bfloat16 elements of x, as the kernel reads them: bf16 where the CPU multiplies bf16 pairs
@@ -226,12 +226,15 @@ struct PanelF32 {
     }
 };
 
-template <int MR>
-struct PanelPairF32 {
-    static void run(const float* x_pass, const float* panel, int64_t panel_elems, int64_t k, float (*acc)[kPanel],
-                    const char* ahead, int64_t ahead_lines) {
-        panel_pair_f32<MR>(x_pass, panel, panel_elems, k, acc, ahead, ahead_lines);
-    }
+template <int NP>
+struct PanelGroupF32 {
+    template <int MR>
+    struct Rows {
+        static void run(const float* x_pass, const float* panel, int64_t panel_elems, int64_t k, float (*acc)[kPanel],
+                        const char* ahead, int64_t ahead_lines) {
+            panel_group_f32<MR, NP>(x_pass, panel, panel_elems, k, acc, ahead, ahead_lines);
+        }
+    };
 };
 
 template <int MR>
@@ -289,12 +292,15 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
     });
 }
 
-// run_panels for float32, from two rows up two panels at a time (panel_pair_f32; a last odd panel goes
-// alone). One row is bound by the weight read, not the arithmetic: it keeps run_panels.
-// While a pair computes, the pair the thread takes next (ProgressSplit::items_ahead) streams into L2:
-// otherwise each pair's first pass of rows waits on memory and the other passes leave it idle. Over
+// run_panels for float32, from two rows up kGroupPanels panels at a time (panel_group_f32; the last
+// group takes what is left). One row is bound by the weight read, not the arithmetic: it keeps run_panels.
+// While a group computes, the group the thread takes next (ProgressSplit::items_ahead) streams into L2:
+// otherwise each group's first pass of rows waits on memory and the other passes leave it idle. Over
 // the small shape's 32 float32 matrices, two threads, 9-64 rows: 10-15% more GFLOP/s, the same bits
-// (64 rows 224-252 -> 247-266, 16 rows 198-205 -> 228-235, alternating in one process).
+// (64 rows 224-252 -> 247-266, 16 rows 198-205 -> 228-235, alternating in one process). Three panels
+// (24 sums in registers) where there were two (16): 64 rows over the small shape's five projection
+// shapes 313-317 -> 329-348 GFLOP/s (oneDNN's prepacked weights 332-351 in the same runs), 24 rows
+// 292-294 -> 303-328; a 64-row float32 decode step of the small shape 15.6 -> 13.6 ms.
 template <typename Store, typename Split>
 void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, const float* blocked,
                     int64_t panel_elems, int64_t k, int64_t n, Store store, Split& split) {
@@ -303,25 +309,29 @@ void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, con
         return;
     }
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
-    const int64_t num_pairs = (num_panels + 1) / 2;
+    const int64_t num_groups = (num_panels + kGroupPanels - 1) / kGroupPanels;
     const int64_t passes = passes_of(m);
-    split.items_ahead(num_pairs, kPanelsPerGrab / 2, [&](int64_t pair, int64_t next_pair) {
-        alignas(64) float acc[2 * kRowsPerPass][kPanel];
-        const int64_t first_panel = 2 * pair;
-        const int panels = first_panel + 1 < num_panels ? 2 : 1;
+    split.items_ahead(num_groups, 1, [&](int64_t group, int64_t next_group) {
+        alignas(64) float acc[kGroupPanels * kRowsPerPass][kPanel];
+        const int64_t first_panel = kGroupPanels * group;
+        const int panels = int(std::min<int64_t>(kGroupPanels, num_panels - first_panel));
         const float* panel = blocked + first_panel * panel_elems;
-        // The pair this thread takes next streams into L2 while this one computes, a share per pass.
-        const int64_t next_lines = next_pair >= 0
-            ? std::min<int64_t>(2, num_panels - 2 * next_pair) * panel_elems * int64_t(sizeof(float)) / 64 : 0;
-        const char* next = reinterpret_cast<const char*>(blocked + 2 * next_pair * panel_elems);
+        // The group this thread takes next streams into L2 while this one computes, a share per pass.
+        const int64_t next_lines = next_group >= 0
+            ? std::min<int64_t>(kGroupPanels, num_panels - kGroupPanels * next_group) * panel_elems * int64_t(sizeof(float)) / 64
+            : 0;
+        const char* next = reinterpret_cast<const char*>(blocked + kGroupPanels * next_group * panel_elems);
         for (int64_t r0 = 0, pass = 0; r0 < m; r0 += kRowsPerPass, ++pass) {
             const int rows = int(std::min<int64_t>(kRowsPerPass, m - r0));
             const float* x_pass = x_packed + r0 * x_pass_stride;
-            const int64_t from = next_lines * pass / passes, to = next_lines * (pass + 1) / passes;
-            if (panels == 2)
-                dispatch_rows<PanelPairF32>(rows, x_pass, panel, panel_elems, k, acc, next + from * 64, to - from);
+            const char* ahead = next + next_lines * pass / passes * 64;
+            const int64_t lines = next_lines * (pass + 1) / passes - next_lines * pass / passes;
+            if (panels == 3)
+                dispatch_rows<PanelGroupF32<3>::Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
+            else if (panels == 2)
+                dispatch_rows<PanelGroupF32<2>::Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
             else
-                dispatch_rows<PanelF32>(rows, x_pass, panel, k, acc);
+                dispatch_rows<PanelGroupF32<1>::Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
             for (int j = 0; j < panels; ++j) {
                 const int64_t first_out = (first_panel + j) * kPanel;
                 const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
