@@ -124,44 +124,36 @@ class _Detokenizer:
         self._call.cancel()
 
 
-_END_OF_OUTPUTS = object()
-
-
-async def _feed(generate, detokenizer, outputs: asyncio.Queue) -> None:
-    """Reads the engine's outputs and sends each one's ids to the tokenizer at once, so that its
-    round trip overlaps the next step instead of following it. Queues ``(output, has_reply)`` in
-    order until the one with a finish reason; else ``_END_OF_OUTPUTS``, or the error that stopped it."""
-    where = "engine"
-    try:
-        async for output in generate:
-            where = "tokenizer"
-            has_reply = await detokenizer.write(output.token_ids)
-            where = "engine"
-            outputs.put_nowait((output, has_reply))
-            if output.finish_reason in _FINISH_REASONS:
-                return
-        outputs.put_nowait(_END_OF_OUTPUTS)
-    except grpc.RpcError as error:
-        outputs.put_nowait(errors.from_grpc(error, where))
-    except Exception as error:  # handed to run_choice, which raises it
-        outputs.put_nowait(error)
+def _named(error: errors.OpenAIError, params: GenerationParams) -> errors.OpenAIError:
+    """A refusal (400) names the client's field, not the engine's."""
+    if error.status == 400:
+        error.param = params.request_param(error.param)
+    return error
 
 
 async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
                      eos_token_ids: frozenset[int]) -> AsyncIterator[Step]:
+    """Each engine output's ids go to the tokenizer as soon as the output arrives (this task waits on
+    nothing else then: the consumer of its steps runs in a task of its own), and its step follows
+    the tokenizer's reply. One task per choice, so a token costs one wake-up here, not two."""
     generate = upstream.generate(spec.request)
     detokenizer = _open_detokenizer(upstream, spec.prompt_ids, params.skip_special_tokens)
-    outputs: asyncio.Queue = asyncio.Queue()
-    feeder = asyncio.create_task(_feed(generate, detokenizer, outputs))
+    outputs = aiter(generate)
     matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
     num_tokens = 0
     try:
-        while (item := await outputs.get()) is not _END_OF_OUTPUTS:
-            if isinstance(item, errors.OpenAIError) and item.status == 400:  # a refusal: name the client's field
-                item.param = params.request_param(item.param)
-            if isinstance(item, Exception):
-                raise item
-            output, has_reply = item
+        while True:
+            where = "engine"
+            try:
+                output = await anext(outputs, None)
+                if output is None:
+                    raise errors.OpenAIError("engine ended the stream without a finish reason", 502)
+                where = "tokenizer"
+                has_reply = await detokenizer.write(output.token_ids)
+            except grpc.RpcError as error:
+                raise _named(errors.from_grpc(error, where), params) from None
+            except errors.OpenAIError as error:
+                raise _named(error, params) from None
             num_tokens += len(output.token_ids)
             text = await detokenizer.read() if has_reply else ""
             finish = _FINISH_REASONS.get(output.finish_reason)
@@ -186,11 +178,9 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
                 yield step
                 return
             yield step
-        raise errors.OpenAIError("engine ended the stream without a finish reason", 502)
     except grpc.RpcError as error:  # reading the tokenizer's replies
         raise errors.from_grpc(error, "tokenizer") from None
     finally:
-        feeder.cancel()
         generate.cancel()
         detokenizer.cancel()
 
