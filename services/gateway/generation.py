@@ -133,9 +133,10 @@ def _named(error: errors.OpenAIError, params: GenerationParams) -> errors.OpenAI
 
 async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
                      eos_token_ids: frozenset[int]) -> AsyncIterator[Step]:
-    """Each engine output's ids go to the tokenizer as soon as the output arrives (this task waits on
-    nothing else then: the consumer of its steps runs in a task of its own), and its step follows
-    the tokenizer's reply. One task per choice, so a token costs one wake-up here, not two."""
+    """Each engine output's ids go to the tokenizer as soon as this task reads the output, and its step
+    follows the tokenizer's reply. The steps' consumer runs in a task of its own (`FanOut`), so this
+    one reads the next output at once; one task per choice (a feeder task before it cost each token
+    a second wake-up)."""
     generate = upstream.generate(spec.request)
     detokenizer = _open_detokenizer(upstream, spec.prompt_ids, params.skip_special_tokens)
     outputs = aiter(generate)
