@@ -12,10 +12,8 @@ that step does not take.
 On the CPU the graph is ``torch.compile`` (inductor's C++ backend) of the whole forward:
 RMSNorm with the residual add, rotary, SiLU·mul and the attention glue fuse into a few loops between
 the projections; attention is the opaque op ``strata::paged_attention`` (see ``paged_attention_op``),
-so one graph covers every layer. The projections stay the calls they are eager (``packed_linear``):
-inductor's own lowering of oneDNN's linear wants the weights frozen into the graph as constants
-(freezing re-packs the float32 ones per graph, failed on the bfloat16 prepacked ones here, and
-bypasses the AOTAutograd cache), so that op is lowered as a plain call (``_call_onednn_linear_as_is``).
+so one graph covers every layer. The projections stay the calls they are eager, as the opaque ops
+``strata::small_m_linear`` and ``strata::onednn_linear`` (``packed_linear``).
 
 The token dimension is dynamic from 2 tokens up, so the CPU compiles two or three graphs whatever
 the buckets (one for a single token, one for the rest, split where the projections switch kernels,
@@ -92,16 +90,6 @@ def can_compile(device: torch.device, attention: AttentionBackend) -> bool:
     return True
 
 
-def _call_onednn_linear_as_is() -> None:
-    """Inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen as constants; ours are
-    prepacked tensors held by the modules, so the op is called as it is, like any op inductor lacks."""
-    from torch._inductor.lowering import fallback_handler, lowerings
-
-    op = torch.ops.mkldnn._linear_pointwise.default
-    if not getattr(lowerings.get(op), "_is_fallback_handler", False):
-        lowerings[op] = fallback_handler(op, add_to_fallback_set=False)
-
-
 class DecodeGraphs:
     """The model forward compiled for each of ``buckets`` (token counts). ``capture`` compiles them
     all; ``run`` then executes a batch already padded to a bucket. Not thread-safe: one engine loop."""
@@ -116,7 +104,6 @@ class DecodeGraphs:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_CODE_OBJECT)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, _GRAPHS_PER_CODE_OBJECT)
-        _call_onednn_linear_as_is()
         self._compiled = torch.compile(forward, fullgraph=True, dynamic=False)
 
     @property
@@ -146,8 +133,8 @@ class DecodeGraphs:
         """The forward of a batch of exactly a bucket's tokens (padded): ``hidden [T, H]``."""
         if input_ids.shape[0] not in self.buckets:
             raise ValueError(f"a compiled step takes a bucket's {self.buckets} tokens, got {input_ids.shape[0]}")
-        if input_ids.shape[0] > 1:  # one graph for every bucket from 2 tokens up
-            torch._dynamo.mark_dynamic(input_ids, 0, min=2, max=self.max_num_tokens)
-            torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_num_tokens)
+        if input_ids.shape[0] > 1:  # one graph for the buckets from 2 tokens up, split where the code branches
+            torch._dynamo.maybe_mark_dynamic(input_ids, 0)
+            torch._dynamo.maybe_mark_dynamic(positions, 0)
         with attention_step(self.attention, metadata):
             return self._compiled(input_ids, positions, kv_caches, metadata)

@@ -111,6 +111,44 @@ def test_small_mixed_step_matches_eager(runners):
     assert_same_step(runners, step, compiled.dtype)
 
 
+def test_graphs_compile_with_the_projections_on_onednn(checkpoint, inductor_cache_dir, monkeypatch):
+    """Without the native linear kernel every projection runs on oneDNN's prepacked weights: the graphs
+    still compile (one graph for the buckets from two rows up, whatever the row count) and match eager."""
+    from services.engine.cpu_kernels import linear as native_linear
+
+    monkeypatch.setattr(native_linear, "can_run", lambda dtype: False)
+    compiled = make_runner(checkpoint, "float32")
+    compiled.warmup()
+    assert compiled.is_captured
+    eager = make_runner(checkpoint, "float32", enforce_eager=True)
+    for runner in (compiled, eager):
+        runner.decode_step = None
+    requests, tables = prefilled_requests((compiled, eager), [13, 21, 9])
+    for num_decodes in (1, 2, 3):
+        step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests[:num_decodes], tables)])
+        assert_same_step((compiled, eager), step, torch.float32)
+
+
+def test_graphs_split_where_the_projections_switch_kernels(checkpoint, inductor_cache_dir, monkeypatch):
+    """Buckets on both sides of ``NATIVE_MAX_ROWS`` (64 by default: --max-num-seqs above it) compile, as
+    graphs split at the switch, and match eager; here the switch is moved to 2 rows."""
+    from services.engine.models import packed_linear
+
+    monkeypatch.setattr(packed_linear, "NATIVE_MAX_ROWS", 2)
+    compiled = make_runner(checkpoint, "float32")
+    compiled.warmup()
+    assert compiled.is_captured
+    eager = make_runner(checkpoint, "float32", enforce_eager=True)
+    for runner in (compiled, eager):
+        runner.decode_step = None
+    requests, tables = prefilled_requests((compiled, eager), [13, 21, 9])
+    graphs_before = counters["stats"]["unique_graphs"]
+    for num_decodes in (1, 2, 3):
+        step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests[:num_decodes], tables)])
+        assert_same_step((compiled, eager), step, torch.float32)
+    assert counters["stats"]["unique_graphs"] == graphs_before  # no recompilation
+
+
 def test_no_compiler_runs_eager_with_one_warning(checkpoint, monkeypatch, caplog):
     monkeypatch.setattr(compiled_forward, "compiler", lambda: None)
     with caplog.at_level(logging.WARNING):

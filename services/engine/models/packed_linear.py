@@ -78,7 +78,25 @@ class PackedLinear(nn.Module):
             return native_linear.small_m_linear(x, self.blocked, self.bias, self.out_features)
         if self.packed is None or (self.original is not None and rows < PACKED_MIN_ROWS):
             return F.linear(x, self.original, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return torch.ops.strata.onednn_linear(x, self.packed, self.bias)
+        return _onednn_linear(x, self.packed, self.bias)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# What a compiled caller gets: an op inductor runs as it is. Its own lowering of oneDNN's linear (and of
+# the linear and a following add, which its pattern passes fuse) wants the weights frozen into the graph
+# as constants; freezing re-packs the float32 ones per graph, failed on the bfloat16 prepacked ones, and
+# bypasses the AOTAutograd cache.
+_op = torch.library.custom_op("strata::onednn_linear", _onednn_linear, mutates_args=())
+
+
+@_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 def pack_linears(model: nn.Module) -> int:
