@@ -55,16 +55,20 @@ def make_runner(path, dtype: str, **overrides) -> ModelRunner:
                                     max_num_seqs=MAX_NUM_SEQS, **overrides))
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def runners(request, checkpoint, inductor_cache_dir):
+def compiled_and_eager(path, dtype: str) -> tuple[ModelRunner, ModelRunner]:
     """(compiled runner, eager runner) of one dtype over the same weights."""
-    compiled = make_runner(checkpoint, request.param)
+    compiled = make_runner(path, dtype)
     compiled.warmup()
     assert compiled.is_captured
-    eager = make_runner(checkpoint, request.param, enforce_eager=True)
+    eager = make_runner(path, dtype, enforce_eager=True)
     for runner in (compiled, eager):  # decode-only steps go to the graphs and the torch forward, not the native step
         runner.decode_step = None
     return compiled, eager
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def runners(request, checkpoint, inductor_cache_dir):
+    return compiled_and_eager(checkpoint, request.param)
 
 
 def prefilled_requests(runners: tuple[ModelRunner, ModelRunner], prompt_lens: list[int]
@@ -83,6 +87,16 @@ def assert_same_step(runners: tuple[ModelRunner, ModelRunner], step: SchedulerOu
     for (k, v), (k_eager, v_eager) in zip(compiled.kv_caches, eager.kv_caches, strict=True):
         torch.testing.assert_close(k[:NUM_KV_BLOCKS], k_eager, **TOLERANCE[dtype])
         torch.testing.assert_close(v[:NUM_KV_BLOCKS], v_eager, **TOLERANCE[dtype])
+
+
+def assert_decode_steps_match_eager(runners: tuple[ModelRunner, ModelRunner], dtype: torch.dtype) -> None:
+    """Steps of 1, 2 and 3 decodes (buckets 1, 2 and 4) give the eager logits, with no recompilation."""
+    requests, tables = prefilled_requests(runners, [13, 21, 9])
+    graphs_before = counters["stats"]["unique_graphs"]
+    for num_decodes in (1, 2, 3):
+        step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests[:num_decodes], tables)])
+        assert_same_step(runners, step, dtype)
+    assert counters["stats"]["unique_graphs"] == graphs_before
 
 
 @pytest.mark.parametrize("num_decodes", [1, 2, 3, 4])  # 3 runs bucket 4 with a padding row
@@ -113,20 +127,11 @@ def test_small_mixed_step_matches_eager(runners):
 
 def test_graphs_compile_with_the_projections_on_onednn(checkpoint, inductor_cache_dir, monkeypatch):
     """Without the native linear kernel every projection runs on oneDNN's prepacked weights: the graphs
-    still compile (one graph for the buckets from two rows up, whatever the row count) and match eager."""
+    still compile and match eager."""
     from services.engine.cpu_kernels import linear as native_linear
 
     monkeypatch.setattr(native_linear, "can_run", lambda dtype: False)
-    compiled = make_runner(checkpoint, "float32")
-    compiled.warmup()
-    assert compiled.is_captured
-    eager = make_runner(checkpoint, "float32", enforce_eager=True)
-    for runner in (compiled, eager):
-        runner.decode_step = None
-    requests, tables = prefilled_requests((compiled, eager), [13, 21, 9])
-    for num_decodes in (1, 2, 3):
-        step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests[:num_decodes], tables)])
-        assert_same_step((compiled, eager), step, torch.float32)
+    assert_decode_steps_match_eager(compiled_and_eager(checkpoint, "float32"), torch.float32)
 
 
 def test_graphs_split_where_the_projections_switch_kernels(checkpoint, inductor_cache_dir, monkeypatch):
@@ -135,18 +140,7 @@ def test_graphs_split_where_the_projections_switch_kernels(checkpoint, inductor_
     from services.engine.models import packed_linear
 
     monkeypatch.setattr(packed_linear, "NATIVE_MAX_ROWS", 2)
-    compiled = make_runner(checkpoint, "float32")
-    compiled.warmup()
-    assert compiled.is_captured
-    eager = make_runner(checkpoint, "float32", enforce_eager=True)
-    for runner in (compiled, eager):
-        runner.decode_step = None
-    requests, tables = prefilled_requests((compiled, eager), [13, 21, 9])
-    graphs_before = counters["stats"]["unique_graphs"]
-    for num_decodes in (1, 2, 3):
-        step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests[:num_decodes], tables)])
-        assert_same_step((compiled, eager), step, torch.float32)
-    assert counters["stats"]["unique_graphs"] == graphs_before  # no recompilation
+    assert_decode_steps_match_eager(compiled_and_eager(checkpoint, "float32"), torch.float32)
 
 
 def test_no_compiler_runs_eager_with_one_warning(checkpoint, monkeypatch, caplog):
