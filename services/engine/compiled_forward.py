@@ -106,10 +106,6 @@ class DecodeGraphs:
             torch._dynamo.config.accumulated_recompile_limit, _GRAPHS_PER_CODE_OBJECT)
         self._compiled = torch.compile(forward, fullgraph=True, dynamic=False)
 
-    @property
-    def max_num_tokens(self) -> int:
-        return self.buckets[-1]
-
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket that holds ``num_tokens``; None when the step is too large (eager)."""
         i = bisect.bisect_left(self.buckets, num_tokens)
