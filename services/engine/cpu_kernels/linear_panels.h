@@ -300,7 +300,8 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
 // (64 rows 224-252 -> 247-266, 16 rows 198-205 -> 228-235, alternating in one process). Three panels
 // (24 sums in registers) where there were two (16): 64 rows over the small shape's five projection
 // shapes 313-317 -> 329-348 GFLOP/s (oneDNN's prepacked weights 332-351 in the same runs), 24 rows
-// 292-294 -> 303-328; a 64-row float32 decode step of the small shape 15.6 -> 13.6 ms.
+// 292-294 -> 303-328; a 64-row float32 decode step of the small shape 14.0 -> 13.5-13.7 ms at a context
+// of 16, 31.4-31.7 -> 29.2-30.3 ms at 400.
 template <typename Store, typename Split>
 void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, const float* blocked,
                     int64_t panel_elems, int64_t k, int64_t n, Store store, Split& split) {
@@ -317,10 +318,10 @@ void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, con
         const int panels = int(std::min<int64_t>(kGroupPanels, num_panels - first_panel));
         const float* panel = blocked + first_panel * panel_elems;
         // The group this thread takes next streams into L2 while this one computes, a share per pass.
-        const int64_t next_lines = next_group >= 0
-            ? std::min<int64_t>(kGroupPanels, num_panels - kGroupPanels * next_group) * panel_elems * int64_t(sizeof(float)) / 64
-            : 0;
-        const char* next = reinterpret_cast<const char*>(blocked + kGroupPanels * next_group * panel_elems);
+        const int64_t next_first = kGroupPanels * next_group;
+        const int64_t next_panels = next_group >= 0 ? std::min<int64_t>(kGroupPanels, num_panels - next_first) : 0;
+        const int64_t next_lines = next_panels * panel_elems * int64_t(sizeof(float)) / 64;
+        const char* next = next_group >= 0 ? reinterpret_cast<const char*>(blocked + next_first * panel_elems) : nullptr;
         for (int64_t r0 = 0, pass = 0; r0 < m; r0 += kRowsPerPass, ++pass) {
             const int rows = int(std::min<int64_t>(kRowsPerPass, m - r0));
             const float* x_pass = x_packed + r0 * x_pass_stride;
