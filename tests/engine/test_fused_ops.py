@@ -51,6 +51,21 @@ def test_add_rms_norm_matches_torch(dtype, width, with_residual):
     assert_close_in_dtype(out, expected)
 
 
+def test_bfloat16_sums_round_as_torch_at_subnormals_infinities_and_nans():
+    """The CPU's own bfloat16 conversion turns a subnormal into zero where torch keeps it: a vector
+    holding one must round the other way. Sums in 16-lane vectors with and without subnormals, bits
+    compared (NaN included)."""
+    tiny = torch.tensor([1e-39, -2.5e-39, 5e-41, 1.1e-38, 1.2e-38, -1e-45, 0.0, -0.0], dtype=torch.bfloat16)
+    big = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38, -3.0e38, 1.0, 1.0 + 2**-8, -7.5])
+    residual = torch.cat([tiny.repeat(2), big.to(torch.bfloat16).repeat(2), torch.randn(16, dtype=torch.bfloat16)])
+    residual = torch.stack([residual, residual.flip(0), residual.roll(5), residual * 0.5])
+    x = torch.cat([tiny.flip(0).repeat(2), big.flip(0).to(torch.bfloat16).repeat(2),
+                   torch.randn(16, dtype=torch.bfloat16) * 2**-8]).expand(4, -1).contiguous()
+    expected = residual.clone().add_(x)
+    fused_ops.add_rms_norm(x, residual, torch.ones(48, dtype=torch.bfloat16), 1e-6)
+    assert torch.equal(residual.view(torch.int16), expected.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", WIDTHS)
 def test_silu_mul_matches_torch(dtype, width):
