@@ -10,9 +10,8 @@ import services
 PROBE = "import services, os, grpc; grpc.insecure_channel('127.0.0.1:1').close(); print(os.environ['GRPC_EXPERIMENTS'])"
 
 
-def run_probe(env_changes: dict[str, str | None]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
-    env.update({k: v for k, v in env_changes.items() if v is not None})
+def run_probe(env_changes: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"} | env_changes
     return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60, check=True)
 
 
