@@ -6,7 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.cpu_kernels import linear as native_linear
-from services.engine.models.packed_linear import NATIVE_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, can_pack, pack_linears
+from services.engine.models.packed_linear import (
+    NATIVE_MAX_ROWS,
+    PACKED_MIN_ROWS,
+    PackedLinear,
+    can_pack,
+    onednn_packs,
+    pack_linears,
+)
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
 ROWS = [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 64, 300]
@@ -43,7 +50,9 @@ def test_strided_input_and_bfloat16(native, rows):
     x = gate_up[:, :48]  # a strided view, as the MLP's gate half is
     assert not x.is_contiguous() or rows == 1
     linear = PackedLinear(weight, None)
-    assert linear.original is None  # bfloat16 never runs on the original: it is not kept
+    # bfloat16 runs on the original only where oneDNN cannot pack it (no AVX-512 here)
+    assert (linear.original is None) == onednn_packs(torch.bfloat16)
+    assert (linear.packed is None) != onednn_packs(torch.bfloat16)
     if native:
         torch.testing.assert_close(linear.weight, weight, rtol=0, atol=0)
     torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=2e-2, atol=2e-2)

@@ -30,6 +30,10 @@ larger batches through ``F.linear`` on it instead of a third, oneDNN copy.
 
 Without the native kernel (no C++ compiler) everything runs on oneDNN, except float32 with fewer than
 ``PACKED_MIN_ROWS`` rows, which is faster on the plain kernel and keeps the original weight for it.
+
+oneDNN packs bfloat16 only on a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (an AVX2-only
+Zen 3, say) its reorder raises, so bfloat16 keeps the original weight and runs its larger batches
+through ``F.linear``.
 """
 
 import torch
@@ -49,6 +53,11 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's reorder takes CPU weights of ``dtype`` on this CPU."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b``, ``x: [M, in]``, with ``W`` laid out for the native kernel (few rows) and for
     oneDNN (more rows). ``weight_is_shared``: the caller keeps ``W`` alive anyway (a tied embedding)."""
@@ -59,10 +68,12 @@ class PackedLinear(nn.Module):
         self.bias = bias
         # [ceil(out / 16), in, 16] (bfloat16: [ceil(out / 16), ceil(in / 2), 16, 2]), or None
         self.blocked = native_linear.block_weight(weight) if native_linear.can_run(weight.dtype) else None
-        uses_original = weight_is_shared or (self.blocked is None and weight.dtype in _PLAIN_FOR_FEW_ROWS)
+        uses_original = (weight_is_shared or not onednn_packs(weight.dtype)
+                         or (self.blocked is None and weight.dtype in _PLAIN_FOR_FEW_ROWS))
         self.original = weight if uses_original else None  # [out, in], the caller's tensor
         has_two_copies = self.blocked is not None and self.original is not None
-        self.packed = None if has_two_copies else torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        packs = onednn_packs(weight.dtype) and not has_two_copies
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if packs else None
 
     @property
     def weight(self) -> torch.Tensor | None:
