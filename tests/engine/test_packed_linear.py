@@ -42,7 +42,7 @@ def test_matches_linear_float32(native, rows, bias):
     torch.testing.assert_close(linear(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, NATIVE_MAX_ROWS, 32])
+@pytest.mark.parametrize("rows", [1, NATIVE_MAX_ROWS, 32, NATIVE_MAX_ROWS + 36])
 def test_strided_input_and_bfloat16(native, rows):
     torch.manual_seed(0)
     weight = torch.randn(64, 48, dtype=torch.bfloat16)
@@ -50,9 +50,10 @@ def test_strided_input_and_bfloat16(native, rows):
     x = gate_up[:, :48]  # a strided view, as the MLP's gate half is
     assert not x.is_contiguous() or rows == 1
     linear = PackedLinear(weight, None)
-    # bfloat16 runs on the original only where oneDNN cannot pack it (no AVX-512 here)
-    assert (linear.original is None) == onednn_packs(torch.bfloat16)
+    # bfloat16 keeps the original only where neither oneDNN (no AVX-512 here) nor the native kernel runs it
+    assert (linear.original is None) == (onednn_packs(torch.bfloat16) or native)
     assert (linear.packed is None) != onednn_packs(torch.bfloat16)
+    assert linear.native_for_all_rows == (native and not onednn_packs(torch.bfloat16))
     if native:
         torch.testing.assert_close(linear.weight, weight, rtol=0, atol=0)
     torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=2e-2, atol=2e-2)

@@ -10,8 +10,13 @@
 
 #include "work_split.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+// AVX2 with FMA and no AVX-512 (Zen 3, Intel before Skylake-SP): a panel's 16 outputs are two 8-wide
+// registers, and with 16 registers instead of 32 a pass of rows runs in chunks of kAvx2Rows.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define STRATA_AVX2 1
 #endif
 
 // AMX (Intel Sapphire Rapids and later): bfloat16 tiles multiplied by the core's matrix unit.
@@ -53,6 +58,59 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+#ifdef STRATA_AVX2
+constexpr int kAvx2Rows = 4;  // rows of a pass held at once: 4 x 2 sums, 2 weight halves, a broadcast
+
+// acc[i0 + i][o] = sum_k x_pass[k][i0 + i] * panel[k][o] for the R rows from i0 of a pass of MR; each
+// output's sum in k order, as the AVX-512 path sums it (the same bits).
+template <int MR, int R>
+void panel_rows_f32_avx2(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel], int i0) {
+    __m256 lo[R], hi[R];
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < k; ++kk) {
+        prefetch(panel + kk * kPanel);
+        const __m256 w_lo = _mm256_loadu_ps(panel + kk * kPanel), w_hi = _mm256_loadu_ps(panel + kk * kPanel + 8);
+        for (int i = 0; i < R; ++i) {
+            const __m256 xb = _mm256_set1_ps(x_pass[kk * MR + i0 + i]);
+            lo[i] = _mm256_fmadd_ps(xb, w_lo, lo[i]);
+            hi[i] = _mm256_fmadd_ps(xb, w_hi, hi[i]);
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        _mm256_storeu_ps(acc[i0 + i], lo[i]);
+        _mm256_storeu_ps(acc[i0 + i] + 8, hi[i]);
+    }
+}
+
+// As panel_rows_f32_avx2 on a bfloat16 panel ([k_pairs][16][2]) and float32 x pairs ([k_pairs][MR][2]):
+// each pair's even element, then its odd one, as the AVX-512 path without AVX512_BF16 sums them.
+template <int MR, int R>
+void panel_rows_bf16_avx2(const float* x_pass, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel], int i0) {
+    const __m256i high_half = _mm256_set1_epi32(int32_t(0xffff0000u));
+    __m256 lo[R], hi[R];
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < k_pairs; ++kp) {
+        prefetch(panel + kp * 2 * kPanel);
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kp * 2 * kPanel));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kp * 2 * kPanel + kPanel));
+        const __m256 lo_even = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+        const __m256 lo_odd = _mm256_castsi256_ps(_mm256_and_si256(w0, high_half));
+        const __m256 hi_even = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+        const __m256 hi_odd = _mm256_castsi256_ps(_mm256_and_si256(w1, high_half));
+        for (int i = 0; i < R; ++i) {
+            const __m256 x_even = _mm256_set1_ps(x_pass[(kp * MR + i0 + i) * 2]);
+            const __m256 x_odd = _mm256_set1_ps(x_pass[(kp * MR + i0 + i) * 2 + 1]);
+            lo[i] = _mm256_fmadd_ps(x_odd, lo_odd, _mm256_fmadd_ps(x_even, lo_even, lo[i]));
+            hi[i] = _mm256_fmadd_ps(x_odd, hi_odd, _mm256_fmadd_ps(x_even, hi_even, hi[i]));
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        _mm256_storeu_ps(acc[i0 + i], lo[i]);
+        _mm256_storeu_ps(acc[i0 + i] + 8, hi[i]);
+    }
+}
+#endif
+
 // acc[i][o] = sum_k x_pass[k][i] * panel[k][o]; x_pass: [k][MR]
 template <int MR>
 void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel]) {
@@ -78,6 +136,26 @@ void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[
         for (int i = 0; i < MR; ++i) sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[kk * MR + i]), w, sum[i]);
     }
     for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], sum[i]);
+#elif defined(STRATA_AVX2)
+    if constexpr (MR == 1) {  // as the AVX-512 path: kChains sums, each in two halves
+        __m256 lo[kChains], hi[kChains];
+        for (int c = 0; c < kChains; ++c) lo[c] = hi[c] = _mm256_setzero_ps();
+        auto step = [&](int64_t kk, int c) {
+            prefetch(panel + kk * kPanel);
+            const __m256 xb = _mm256_set1_ps(x_pass[kk]);
+            lo[c] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(panel + kk * kPanel), lo[c]);
+            hi[c] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(panel + kk * kPanel + 8), hi[c]);
+        };
+        int64_t kk = 0;
+        for (; kk + kChains <= k; kk += kChains)
+            for (int c = 0; c < kChains; ++c) step(kk + c, c);
+        for (; kk < k; ++kk) step(kk, 0);
+        _mm256_storeu_ps(acc[0], _mm256_add_ps(_mm256_add_ps(lo[0], lo[1]), _mm256_add_ps(lo[2], lo[3])));
+        _mm256_storeu_ps(acc[0] + 8, _mm256_add_ps(_mm256_add_ps(hi[0], hi[1]), _mm256_add_ps(hi[2], hi[3])));
+        return;
+    }
+    panel_rows_f32_avx2<MR, std::min(MR, kAvx2Rows)>(x_pass, panel, k, acc, 0);
+    if constexpr (MR > kAvx2Rows) panel_rows_f32_avx2<MR, MR - kAvx2Rows>(x_pass, panel, k, acc, kAvx2Rows);
 #else
     for (int i = 0; i < MR; ++i) std::fill(acc[i], acc[i] + kPanel, 0.0f);
     for (int64_t kk = 0; kk < k; ++kk) {
@@ -190,6 +268,9 @@ void panel_bf16(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, 
         }
     }
     for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], sum[i]);
+#elif defined(STRATA_AVX2)
+    panel_rows_bf16_avx2<MR, std::min(MR, kAvx2Rows)>(x_pass, panel, k_pairs, acc, 0);
+    if constexpr (MR > kAvx2Rows) panel_rows_bf16_avx2<MR, MR - kAvx2Rows>(x_pass, panel, k_pairs, acc, kAvx2Rows);
 #else
     for (int i = 0; i < MR; ++i) std::fill(acc[i], acc[i] + kPanel, 0.0f);
     for (int64_t kp = 0; kp < k_pairs; ++kp) {

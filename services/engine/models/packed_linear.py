@@ -32,8 +32,9 @@ Without the native kernel (no C++ compiler) everything runs on oneDNN, except fl
 ``PACKED_MIN_ROWS`` rows, which is faster on the plain kernel and keeps the original weight for it.
 
 oneDNN packs bfloat16 only on a CPU with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (an AVX2-only
-Zen 3, say) its reorder raises, so bfloat16 keeps the original weight and runs its larger batches
-through ``F.linear``.
+Zen 3, say) its reorder raises and its plain bfloat16 GEMM converts as it goes, so bfloat16 runs every
+batch on the native kernel: on a 2-core Zen 3, two threads, the small shape's projections at 64 rows
+108 GFLOPS there against 17 on ``F.linear``, at 32 rows 126 against 18.
 """
 
 import torch
@@ -68,12 +69,14 @@ class PackedLinear(nn.Module):
         self.bias = bias
         # [ceil(out / 16), in, 16] (bfloat16: [ceil(out / 16), ceil(in / 2), 16, 2]), or None
         self.blocked = native_linear.block_weight(weight) if native_linear.can_run(weight.dtype) else None
-        uses_original = (weight_is_shared or not onednn_packs(weight.dtype)
-                         or (self.blocked is None and weight.dtype in _PLAIN_FOR_FEW_ROWS))
+        onednn = onednn_packs(weight.dtype)
+        uses_original = weight_is_shared or (self.blocked is None and (not onednn or weight.dtype in _PLAIN_FOR_FEW_ROWS))
         self.original = weight if uses_original else None  # [out, in], the caller's tensor
         has_two_copies = self.blocked is not None and self.original is not None
-        packs = onednn_packs(weight.dtype) and not has_two_copies
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if packs else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if onednn and not has_two_copies else None
+        # More than NATIVE_MAX_ROWS rows: oneDNN's copy, else F.linear on the original where oneDNN runs
+        # the dtype, else the native kernel (bfloat16 without oneDNN's support for it).
+        self.native_for_all_rows = self.blocked is not None and self.packed is None and not (onednn and self.original is not None)
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -85,7 +88,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.blocked is not None and rows <= NATIVE_MAX_ROWS:
+        if self.blocked is not None and (rows <= NATIVE_MAX_ROWS or self.native_for_all_rows):
             return native_linear.small_m_linear(x, self.blocked, self.bias, self.out_features)
         if self.packed is None or (self.original is not None and rows < PACKED_MIN_ROWS):
             return F.linear(x, self.original, self.bias)
