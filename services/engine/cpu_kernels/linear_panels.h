@@ -10,14 +10,7 @@
 
 #include "work_split.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-// AVX2 with FMA and no AVX-512 (Zen 3, Intel before Skylake-SP): a panel's 16 outputs are two 8-wide
-// registers, and with 16 registers instead of 32 a pass of rows runs in chunks of kAvx2Rows.
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define STRATA_AVX2 1
-#endif
+#include "isa.h"
 
 // AMX (Intel Sapphire Rapids and later): bfloat16 tiles multiplied by the core's matrix unit.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -59,7 +52,9 @@ inline void prefetch(const void* p) {
 }
 
 #ifdef STRATA_AVX2
-constexpr int kAvx2Rows = 4;  // rows of a pass held at once: 4 x 2 sums, 2 weight halves, a broadcast
+// A panel's 16 outputs are two 8-lane registers (lo, hi); with 16 registers a pass of rows runs in chunks
+// of kAvx2Rows: 4 x 2 sums, the panel's two halves and a broadcast.
+constexpr int kAvx2Rows = 4;
 
 // acc[i0 + i][o] = sum_k x_pass[k][i0 + i] * panel[k][o] for the R rows from i0 of a pass of MR; each
 // output's sum in k order, as the AVX-512 path sums it (the same bits).

@@ -11,11 +11,8 @@
 
 #include <omp.h>
 
+#include "isa.h"
 #include "work_split.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define STRATA_AVX512 1
-#endif
 
 namespace {
 
@@ -141,6 +138,62 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
+#ifdef STRATA_AVX2
+// Lanes [0, n) set (all eight for n >= 8, none for n <= 0), as maskload and the blends take them.
+inline __m256i lanes8(int64_t n) {
+  alignas(32) static const int32_t ones_then_zeros[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ones_then_zeros + 8 - std::clamp<int64_t>(n, 0, 8)));
+}
+
+// 8 elements from p + i as float32; for n < 8 only the first n (none for n <= 0), the rest zero.
+template <int Dt>
+inline __m256 load8(const void* p, int64_t i, int64_t n) {
+  if constexpr (Dt == kFloat32) {
+    const float* f = static_cast<const float*>(p) + i;
+    return n >= 8 ? _mm256_loadu_ps(f) : _mm256_maskload_ps(f, lanes8(n));
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + i;
+    alignas(16) uint16_t part[8] = {};
+    if (n < 8 && n > 0) std::memcpy(part, h, size_t(n) * 2);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(n >= 8 ? h : part));
+    if constexpr (Dt == kBFloat16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    } else {
+      return _mm256_cvtph_ps(raw);
+    }
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp_nonpositive on 8 lanes. AVX2 has no scalef: 2^n (n down to -150, below the normal floats) is
+// applied as two normal factors, 2^(n >> 1) and 2^(n - (n >> 1)), so a subnormal result is rounded once.
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 poly = _mm256_set1_ps(1.0f / 5040);
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 720));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 120));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 24));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 6));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+  const __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
+  auto pow2 = [](__m256i e) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+  };
+  return _mm256_mul_ps(_mm256_mul_ps(poly, pow2(half)), pow2(_mm256_sub_epi32(whole, half)));
+}
+#endif
+
 // Running softmax state of one (context chunk, kv head): per query head of the group, the max score,
 // the sum of e^(score - max) and the unnormalised weighted sum of V rows.
 struct Partial {
@@ -187,6 +240,20 @@ void score_tile(const Problem& p, const Query& q, int64_t g0, const int64_t* row
       }
     }
     for (int s = 0; s < Sub; ++s) score[g0 + s][t] = _mm512_reduce_add_ps(dot[s]) * p.scale;
+#elif defined(STRATA_AVX2)
+    constexpr int kSets = Sub >= 4 ? 1 : 2;  // few heads: two sums each (alternate 8-lane steps)
+    __m256 dot[kSets][Sub];
+    for (int u = 0; u < kSets; ++u)
+      for (int s = 0; s < Sub; ++s) dot[u][s] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      const int u = int(d / 8) % kSets;
+      const __m256 k = load8<Dt>(p.k_cache, row[t] + d, dim - d);
+      for (int s = 0; s < Sub; ++s) dot[u][s] = _mm256_fmadd_ps(_mm256_load_ps(q.f32[g0 + s] + d), k, dot[u][s]);
+    }
+    for (int s = 0; s < Sub; ++s) {
+      if constexpr (kSets == 2) dot[0][s] = _mm256_add_ps(dot[0][s], dot[1][s]);
+      score[g0 + s][t] = hsum8(dot[0][s]) * p.scale;
+    }
 #else
     for (int s = 0; s < Sub; ++s) {
       float dot = 0.0f;
@@ -225,6 +292,29 @@ void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t c
     for (int s = 0; s < Sub; ++s) {
       for (int u = 1; u < kSets; ++u) sums[0][s] = _mm512_add_ps(sums[0][s], sums[u][s]);
       _mm512_store_ps(acc + (g0 + s) * kMaxHeadDim + d, sums[0][s]);
+    }
+#elif defined(STRATA_AVX2)
+    constexpr int kSets = Sub >= 4 ? 1 : 4 / Sub;
+    for (int64_t h = d; h < std::min(dim, d + 16); h += 8) {
+      __m256 sums[kSets][Sub];
+      for (int u = 0; u < kSets; ++u)
+        for (int s = 0; s < Sub; ++s)
+          sums[u][s] = u == 0 ? _mm256_load_ps(acc + (g0 + s) * kMaxHeadDim + h) : _mm256_setzero_ps();
+      int64_t t = 0;
+      for (; t + kSets <= count; t += kSets)
+        for (int u = 0; u < kSets; ++u) {
+          const __m256 v = load8<Dt>(p.v_cache, row[t + u] + h, dim - h);
+          for (int s = 0; s < Sub; ++s)
+            sums[u][s] = _mm256_fmadd_ps(_mm256_set1_ps(weight[g0 + s][t + u]), v, sums[u][s]);
+        }
+      for (; t < count; ++t) {
+        const __m256 v = load8<Dt>(p.v_cache, row[t] + h, dim - h);
+        for (int s = 0; s < Sub; ++s) sums[0][s] = _mm256_fmadd_ps(_mm256_set1_ps(weight[g0 + s][t]), v, sums[0][s]);
+      }
+      for (int s = 0; s < Sub; ++s) {
+        for (int u = 1; u < kSets; ++u) sums[0][s] = _mm256_add_ps(sums[0][s], sums[u][s]);
+        _mm256_store_ps(acc + (g0 + s) * kMaxHeadDim + h, sums[0][s]);
+      }
     }
 #else
     const int64_t width = std::min<int64_t>(16, dim - d);
@@ -278,6 +368,14 @@ void softmax_tile(int64_t group, int64_t dim, int64_t count, Scores& score, Part
       const __m512 w = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
       _mm512_mask_storeu_ps(score[g] + t, mask, w);
       tile_sum += _mm512_reduce_add_ps(w);
+    }
+#elif defined(STRATA_AVX2)
+    for (int64_t t = 0; t < count; t += 8) {  // whole 8-lane steps stay inside the kMaxTile row
+      const __m256 s = _mm256_load_ps(score[g] + t);
+      const __m256 w = _mm256_and_ps(_mm256_castsi256_ps(lanes8(count - t)),
+                                     exp_nonpositive8(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
+      _mm256_store_ps(score[g] + t, w);
+      tile_sum += hsum8(w);
     }
 #else
     for (int64_t t = 0; t < count; ++t) {

@@ -74,6 +74,8 @@ void load_rows(const PrefillProblem& p, const int64_t* table, const void* pool, 
     }
 #ifdef STRATA_AVX512
     for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(rows + t * ld + d, load16<Dt>(pool, offset + d, lanes(dim - d)));
+#elif defined(STRATA_AVX2)
+    for (int64_t d = 0; d < ld; d += 8) _mm256_store_ps(rows + t * ld + d, load8<Dt>(pool, offset + d, dim - d));
 #else
     for (int64_t d = 0; d < dim; ++d) rows[t * ld + d] = to_float<Dt>(pool, offset + d);
 #endif
@@ -123,6 +125,25 @@ void score_keys(const Scratch& s, int64_t dim, int64_t n, float (*scores)[kRows]
     }
     for (int64_t j = 0; j < keys; ++j)
       for (int c = 0; c < kRowVectors; ++c) _mm512_store_ps(scores[t0 + j] + 16 * c, acc[j][c]);
+#elif defined(STRATA_AVX2)
+    // 2 keys x 32 rows at a time (8 sums, 4 rows of Q^T, 2 broadcasts): the 16 registers hold no more.
+    for (int64_t r0 = 0; r0 < kRows; r0 += 32)
+      for (int64_t j0 = 0; j0 < keys; j0 += 2) {
+        __m256 acc[2][4];
+        for (int j = 0; j < 2; ++j)
+          for (int c = 0; c < 4; ++c) acc[j][c] = _mm256_setzero_ps();
+        const float* k0 = s.k + (t0 + j0) * s.ld;  // the second key past n: a stale row, its scores not stored
+        for (int64_t d = 0; d < dim; ++d) {
+          const __m256 key0 = _mm256_broadcast_ss(k0 + d), key1 = _mm256_broadcast_ss(k0 + s.ld + d);
+          for (int c = 0; c < 4; ++c) {
+            const __m256 q = _mm256_load_ps(s.q_t[d] + r0 + 8 * c);
+            acc[0][c] = _mm256_fmadd_ps(key0, q, acc[0][c]);
+            acc[1][c] = _mm256_fmadd_ps(key1, q, acc[1][c]);
+          }
+        }
+        for (int64_t j = 0; j < std::min<int64_t>(2, keys - j0); ++j)
+          for (int c = 0; c < 4; ++c) _mm256_store_ps(scores[t0 + j0 + j] + r0 + 8 * c, acc[j][c]);
+      }
 #else
     for (int64_t j = 0; j < keys; ++j)
       for (int64_t r = 0; r < kRows; ++r) {
@@ -169,6 +190,36 @@ void softmax_keys(Scratch& s, int64_t dim, int64_t t0, int64_t n, int64_t window
     _mm512_store_ps(s.sum + r0, _mm512_fmadd_ps(_mm512_load_ps(s.sum + r0), factor, tile_sum));
     _mm512_store_ps(rescale + r0, factor);
   }
+#elif defined(STRATA_AVX2)
+  const __m256 minus_infinity = _mm256_set1_ps(-INFINITY);
+  for (int64_t r0 = 0; r0 < kRows; r0 += 8) {
+    const __m256i pos = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.pos + r0));
+    const __m256i oldest = _mm256_sub_epi32(pos, _mm256_set1_epi32(int32_t(window)));
+    __m256 seen[kKeyTile];
+    __m256 tile_max = minus_infinity;
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256i key = _mm256_set1_epi32(int32_t(t0 + t));
+      __m256i sees = _mm256_andnot_si256(_mm256_cmpgt_epi32(key, pos), _mm256_set1_epi32(-1));  // causal
+      if (window > 0) sees = _mm256_and_si256(sees, _mm256_cmpgt_epi32(key, oldest));
+      seen[t] = _mm256_castsi256_ps(sees);
+      tile_max = _mm256_blendv_ps(tile_max, _mm256_max_ps(tile_max, _mm256_load_ps(s.scores[t] + r0)), seen[t]);
+    }
+    const __m256 old_max = _mm256_load_ps(s.max + r0);
+    const __m256 new_max = _mm256_max_ps(old_max, tile_max);
+    // Rows that have seen no key yet keep max -inf: their weights are 0 and nothing is rescaled.
+    const __m256 shift = _mm256_and_ps(_mm256_cmp_ps(new_max, minus_infinity, _CMP_NEQ_OQ), new_max);
+    const __m256 factor = _mm256_blendv_ps(_mm256_set1_ps(1.0f), exp_nonpositive8(_mm256_sub_ps(old_max, shift)),
+                                           _mm256_cmp_ps(old_max, minus_infinity, _CMP_NEQ_OQ));
+    __m256 tile_sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 w = _mm256_and_ps(seen[t], exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(s.scores[t] + r0), shift)));
+      _mm256_store_ps(s.scores[t] + r0, w);
+      tile_sum = _mm256_add_ps(tile_sum, w);
+    }
+    _mm256_store_ps(s.max + r0, new_max);
+    _mm256_store_ps(s.sum + r0, _mm256_fmadd_ps(_mm256_load_ps(s.sum + r0), factor, tile_sum));
+    _mm256_store_ps(rescale + r0, factor);
+  }
 #else
   for (int64_t r = 0; r < kRows; ++r) {
     auto sees = [&](int64_t key) { return key <= s.pos[r] && (window <= 0 || key > s.pos[r] - window); };
@@ -212,6 +263,26 @@ void accumulate_rows(Scratch& s, int64_t n, int64_t r0, int64_t d0) {
 }
 #endif
 
+#ifdef STRATA_AVX2
+// As accumulate_rows with 8-lane vectors: 4 rows x Vectors x 8 dims from d0.
+template <int Vectors>
+void accumulate_rows8(Scratch& s, int64_t n, int64_t r0, int64_t d0) {
+  __m256 acc[4][Vectors];
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm256_load_ps(s.o + (r0 + i) * s.ld + d0 + 8 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 v[Vectors];
+    for (int c = 0; c < Vectors; ++c) v[c] = _mm256_load_ps(s.v + t * s.ld + d0 + 8 * c);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 w = _mm256_broadcast_ss(&s.scores[t][r0 + i]);
+      for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm256_fmadd_ps(w, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < Vectors; ++c) _mm256_store_ps(s.o + (r0 + i) * s.ld + d0 + 8 * c, acc[i][c]);
+}
+#endif
+
 // o[r] += sum_t weight[t][r] * v_t for every row below `rows` rounded up to 4 (o's rows up to kRows
 // exist; those past the item's stay unused).
 void accumulate_keys(Scratch& s, int64_t dim, int64_t n, int64_t rows) {
@@ -224,6 +295,13 @@ void accumulate_keys(Scratch& s, int64_t dim, int64_t n, int64_t rows) {
         case 3: accumulate_rows<3>(s, n, r0, d0); break;
         default: accumulate_rows<4>(s, n, r0, d0); break;
       }
+    }
+#elif defined(STRATA_AVX2)
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {  // 4 rows x 16 dims: 8 sums, 2 rows of V, a broadcast
+      if (dim - d0 > 8)
+        accumulate_rows8<2>(s, n, r0, d0);
+      else
+        accumulate_rows8<1>(s, n, r0, d0);
     }
 #else
     for (int64_t i = r0; i < std::min<int64_t>(r0 + 4, kRows); ++i)
