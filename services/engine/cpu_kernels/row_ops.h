@@ -79,6 +79,43 @@ inline __m512 round16(__m512 v) {
 }
 #endif
 
+#ifdef STRATA_AVX2
+// The same on 8 whole lanes (the loops below leave a row's last n % 8 values to the scalar code).
+template <typename T>
+inline __m256 load_row8(const T* p) {
+  return load8<Elem<T>::kDtype>(p, 0, 8);
+}
+
+// 8 float32 values rounded to bfloat16 as f32_to_bf16 rounds them, each in the low half of its lane.
+inline __m256i bf16_8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i high = _mm256_srli_epi32(u, 16);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+
+template <typename T>
+inline void store8(T* p, __m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    const __m256i bits = bf16_8(v);  // packus works per 128-bit half: gather the halves' 64-bit results
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+}
+
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_8(v), 16));
+}
+#endif
+
 // residual += addend over one row of n, the sum rounded to T (as torch's in-place add).
 template <typename T>
 void add_row(T* residual, const T* addend, int64_t n) {
@@ -88,6 +125,8 @@ void add_row(T* residual, const T* addend, int64_t n) {
     const __mmask16 mask = lanes(n - i);
     store16(residual + i, _mm512_add_ps(load_row16(residual + i, mask), load_row16(addend + i, mask)), mask);
   }
+#elif defined(STRATA_AVX2)
+  for (; i + 8 <= n; i += 8) store8(residual + i, _mm256_add_ps(load_row8(residual + i), load_row8(addend + i)));
 #endif
   for (; i < n; ++i) residual[i] = Elem<T>::store(Elem<T>::load(residual[i]) + Elem<T>::load(addend[i]));
 }
@@ -106,7 +145,18 @@ void rms_norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
   }
   _mm512_storeu_ps(sums, lane_sums);
 #else
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#ifdef STRATA_AVX2
+  __m256 low_sums = _mm256_setzero_ps(), high_sums = _mm256_setzero_ps();  // lanes 0-7 and 8-15
+  for (; i + 16 <= n; i += 16) {
+    const __m256 low = load_row8(x + i), high = load_row8(x + i + 8);
+    low_sums = _mm256_add_ps(low_sums, _mm256_mul_ps(low, low));
+    high_sums = _mm256_add_ps(high_sums, _mm256_mul_ps(high, high));
+  }
+  _mm256_storeu_ps(sums, low_sums);
+  _mm256_storeu_ps(sums + 8, high_sums);
+#endif
+  for (; i < n; ++i) {
     const float v = Elem<T>::load(x[i]);
     sums[i % 16] += v * v;
   }
@@ -122,7 +172,14 @@ void rms_norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
     store16(out + i, _mm512_mul_ps(load_row16(weight + i, mask), normed), mask);
   }
 #else
-  for (int64_t i = 0; i < n; ++i)
+  i = 0;
+#ifdef STRATA_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m256 normed = round8<T>(_mm256_mul_ps(load_row8(x + i), _mm256_set1_ps(inverse)));
+    store8(out + i, _mm256_mul_ps(load_row8(weight + i), normed));
+  }
+#endif
+  for (; i < n; ++i)
     out[i] = Elem<T>::store(Elem<T>::load(weight[i]) * Elem<T>::round(Elem<T>::load(x[i]) * inverse));
 #endif
 }
@@ -143,6 +200,16 @@ void rotate_head(T* x, const T* cos, const T* sin, int64_t dim) {
     const __m512 c2 = round16<T>(_mm512_mul_ps(x2, load_row16(cos + d + half, mask)));
     store16(x + d, _mm512_add_ps(c1, partner2), mask);
     store16(x + d + half, _mm512_add_ps(c2, partner1), mask);
+  }
+#elif defined(STRATA_AVX2)
+  for (; d + 8 <= half; d += 8) {
+    const __m256 x1 = load_row8(x + d), x2 = load_row8(x + d + half);
+    const __m256 partner1 = round8<T>(_mm256_mul_ps(x1, load_row8(sin + d)));
+    const __m256 partner2 = round8<T>(_mm256_mul_ps(x2, load_row8(sin + d + half)));
+    const __m256 c1 = round8<T>(_mm256_mul_ps(x1, load_row8(cos + d)));
+    const __m256 c2 = round8<T>(_mm256_mul_ps(x2, load_row8(cos + d + half)));
+    store8(x + d, _mm256_add_ps(c1, partner2));
+    store8(x + d + half, _mm256_add_ps(c2, partner1));
   }
 #endif
   for (; d < half; ++d) {
@@ -181,6 +248,23 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t count) {
       store16(out + i + 16 * v, _mm512_mul_ps(round16<T>(_mm512_mul_ps(x[v], sigmoid)), load_row16(up + i + 16 * v, mask[v])),
               mask[v]);
     }
+  }
+#elif defined(STRATA_AVX2)
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+  constexpr int kSiluVectors = 4;  // independent exp chains side by side, as above
+  for (; i + 8 <= count;) {
+    const int vectors = int(std::min<int64_t>(kSiluVectors, (count - i) / 8));
+    __m256 x[kSiluVectors], e[kSiluVectors];
+    for (int v = 0; v < vectors; ++v) {
+      x[v] = load_row8(gate + i + 8 * v);
+      e[v] = exp_nonpositive8(_mm256_or_ps(x[v], sign));  // exp(-|x|)
+    }
+    for (int v = 0; v < vectors; ++v) {
+      const __m256 negative = _mm256_cmp_ps(x[v], zero, _CMP_LT_OQ);
+      const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e[v], negative), _mm256_add_ps(one, e[v]));
+      store8(out + i + 8 * v, _mm256_mul_ps(round8<T>(_mm256_mul_ps(x[v], sigmoid)), load_row8(up + i + 8 * v)));
+    }
+    i += 8 * vectors;
   }
 #endif
   for (; i < count; ++i) {
