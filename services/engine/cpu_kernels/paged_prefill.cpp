@@ -16,7 +16,7 @@
 
 #include <memory>
 
-#include "paged_decode_kernels.h"  // load16, lanes, exp_nonpositive, prefetch
+#include "paged_decode_kernels.h"  // load16 / load8, lanes, exp_nonpositive(8), prefetch
 
 namespace {
 
