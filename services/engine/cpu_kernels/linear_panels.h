@@ -64,7 +64,11 @@ void panel_rows_f32_avx2(const float* x_pass, const float* panel, int64_t k, flo
     for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
     for (int64_t kk = 0; kk < k; ++kk) {
         prefetch(panel + kk * kPanel);
-        const __m256 w_lo = _mm256_loadu_ps(panel + kk * kPanel), w_hi = _mm256_loadu_ps(panel + kk * kPanel + 8);
+        __m256 w_lo = _mm256_loadu_ps(panel + kk * kPanel), w_hi = _mm256_loadu_ps(panel + kk * kPanel + 8);
+        // In registers: left alone, GCC folds the loads into every FMA, R times each, and the loop waits on
+        // loads (13 per 8 FMAs). Two threads on a Zen 3, the small shape's projections: 64 rows 80 -> 110
+        // GFLOPS, 32 rows 77 -> 97, alternating in one process.
+        asm("" : "+x"(w_lo), "+x"(w_hi));
         for (int i = 0; i < R; ++i) {
             const __m256 xb = _mm256_set1_ps(x_pass[kk * MR + i0 + i]);
             lo[i] = _mm256_fmadd_ps(xb, w_lo, lo[i]);
