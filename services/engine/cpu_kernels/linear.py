@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from services.engine.cpu_kernels.build import load_library
 
-PANEL = 16  # output rows per panel of the blocked weight (one AVX-512 register of float32)
+PANEL = 16  # output rows per panel of the blocked weight (one AVX-512 register of float32, two AVX2 ones)
 _DTYPES = (torch.float32, torch.bfloat16)
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]

@@ -3,7 +3,8 @@ straight from the K/V block pools, with no gather, no padding to the longest con
 
 Each (request, kv_head) reads its K/V rows once for the whole GQA group, accumulates in float32 with
 an online softmax, and long contexts are split into chunks merged afterwards, so both cores work even
-at batch 1. Pools of float32, bfloat16 or float16 (AVX-512 where the CPU has it, scalar code elsewhere).
+at batch 1. Pools of float32, bfloat16 or float16 (AVX-512 where the CPU has it, else AVX2 with FMA, else
+scalar code; ``isa.h``).
 """
 
 import ctypes

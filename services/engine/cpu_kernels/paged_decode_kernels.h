@@ -70,18 +70,20 @@ struct LineFeed {
   const char* v = nullptr;
   const int64_t* rows = nullptr;  // element offsets of the tokens' rows (of kv head 0)
   int64_t element_bytes = 0, lines_per_token = 0, next = 0, total = 0;
+  int64_t token = 0, line = 0;  // next's token and line in it (a division per line cost more than the line)
 
   void start(const char* k_pool, const char* v_pool, const int64_t* token_rows, int64_t count, int64_t elem,
              int64_t token_bytes) {
     k = k_pool, v = v_pool, rows = token_rows, element_bytes = elem;
     lines_per_token = (token_bytes + 63) / 64;
-    next = 0, total = count * lines_per_token;
+    next = 0, total = count * lines_per_token, token = 0, line = 0;
   }
   void ask(int64_t lines) {  // the next `lines` lines of K and of V
     for (const int64_t end = std::min(total, next + lines); next < end; ++next) {
-      const int64_t offset = rows[next / lines_per_token] * element_bytes + next % lines_per_token * 64;
+      const int64_t offset = rows[token] * element_bytes + line * 64;
       prefetch(k + offset);
       prefetch(v + offset);
+      if (++line == lines_per_token) line = 0, ++token;
     }
   }
 };
@@ -245,10 +247,16 @@ void score_tile(const Problem& p, const Query& q, int64_t g0, const int64_t* row
     __m256 dot[kSets][Sub];
     for (int u = 0; u < kSets; ++u)
       for (int s = 0; s < Sub; ++s) dot[u][s] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) {
-      const int u = int(d / 8) % kSets;
+    int64_t d = 0;
+    for (; d + 8 * kSets <= dim; d += 8 * kSets)
+      for (int u = 0; u < kSets; ++u) {
+        const __m256 k = load8<Dt>(p.k_cache, row[t] + d + 8 * u, 8);
+        for (int s = 0; s < Sub; ++s)
+          dot[u][s] = _mm256_fmadd_ps(_mm256_load_ps(q.f32[g0 + s] + d + 8 * u), k, dot[u][s]);
+      }
+    for (; d < dim; d += 8) {
       const __m256 k = load8<Dt>(p.k_cache, row[t] + d, dim - d);
-      for (int s = 0; s < Sub; ++s) dot[u][s] = _mm256_fmadd_ps(_mm256_load_ps(q.f32[g0 + s] + d), k, dot[u][s]);
+      for (int s = 0; s < Sub; ++s) dot[0][s] = _mm256_fmadd_ps(_mm256_load_ps(q.f32[g0 + s] + d), k, dot[0][s]);
     }
     for (int s = 0; s < Sub; ++s) {
       if constexpr (kSets == 2) dot[0][s] = _mm256_add_ps(dot[0][s], dot[1][s]);

@@ -136,12 +136,15 @@ void score_keys(const Scratch& s, int64_t dim, int64_t n, float (*scores)[kRows]
         for (int64_t d = 0; d < dim; ++d) {
           const __m256 key0 = _mm256_broadcast_ss(k0 + d), key1 = _mm256_broadcast_ss(k0 + s.ld + d);
           for (int c = 0; c < 4; ++c) {
-            const __m256 q = _mm256_load_ps(s.q_t[d] + r0 + 8 * c);
+            __m256 q = _mm256_load_ps(s.q_t[d] + r0 + 8 * c);
+            asm("" : "+x"(q));  // one load for both keys (see accumulate_rows8)
             acc[0][c] = _mm256_fmadd_ps(key0, q, acc[0][c]);
             acc[1][c] = _mm256_fmadd_ps(key1, q, acc[1][c]);
           }
         }
-        for (int64_t j = 0; j < std::min<int64_t>(2, keys - j0); ++j)
+        // Both keys' scores, the stale one's too (its row lies inside the tile, unread): a store bounded
+        // by `keys` kept GCC writing all 8 sums to the stack on every step of the d loop.
+        for (int j = 0; j < 2; ++j)
           for (int c = 0; c < 4; ++c) _mm256_store_ps(scores[t0 + j0 + j] + r0 + 8 * c, acc[j][c]);
       }
 #else
@@ -267,17 +270,25 @@ void accumulate_rows(Scratch& s, int64_t n, int64_t r0, int64_t d0) {
 // As accumulate_rows with 8-lane vectors: 4 rows x Vectors x 8 dims from d0.
 template <int Vectors>
 void accumulate_rows8(Scratch& s, int64_t n, int64_t r0, int64_t d0) {
+  // The row loops unrolled by pragma: at -O3 GCC otherwise kept a copy of the sums on the stack and
+  // stored all of them on every step of the t loop.
   __m256 acc[4][Vectors];
+#pragma GCC unroll 4
   for (int i = 0; i < 4; ++i)
     for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm256_load_ps(s.o + (r0 + i) * s.ld + d0 + 8 * c);
   for (int64_t t = 0; t < n; ++t) {
     __m256 v[Vectors];
-    for (int c = 0; c < Vectors; ++c) v[c] = _mm256_load_ps(s.v + t * s.ld + d0 + 8 * c);
+    for (int c = 0; c < Vectors; ++c) {
+      v[c] = _mm256_load_ps(s.v + t * s.ld + d0 + 8 * c);
+      asm("" : "+x"(v[c]));  // in a register: GCC would fold the load into each of the 4 rows' FMAs
+    }
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const __m256 w = _mm256_broadcast_ss(&s.scores[t][r0 + i]);
       for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm256_fmadd_ps(w, v[c], acc[i][c]);
     }
   }
+#pragma GCC unroll 4
   for (int i = 0; i < 4; ++i)
     for (int c = 0; c < Vectors; ++c) _mm256_store_ps(s.o + (r0 + i) * s.ld + d0 + 8 * c, acc[i][c]);
 }
