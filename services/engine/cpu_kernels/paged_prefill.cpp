@@ -132,7 +132,7 @@ void score_keys(const Scratch& s, int64_t dim, int64_t n, float (*scores)[kRows]
         __m256 acc[2][4];
         for (int j = 0; j < 2; ++j)
           for (int c = 0; c < 4; ++c) acc[j][c] = _mm256_setzero_ps();
-        const float* k0 = s.k + (t0 + j0) * s.ld;  // the second key past n: a stale row, its scores not stored
+        const float* k0 = s.k + (t0 + j0) * s.ld;  // the second key may lie past n: a stale row of the tile
         for (int64_t d = 0; d < dim; ++d) {
           const __m256 key0 = _mm256_broadcast_ss(k0 + d), key1 = _mm256_broadcast_ss(k0 + s.ld + d);
           for (int c = 0; c < 4; ++c) {
