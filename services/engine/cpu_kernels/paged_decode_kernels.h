@@ -102,6 +102,16 @@ inline float to_float<kBFloat16>(const void* p, int64_t i) {
 template <>
 inline float to_float<kFloat16>(const void* p, int64_t i) { return half_to_float(static_cast<const uint16_t*>(p)[i]); }
 
+// exp_nonpositive's constants, one set for every vector width: inputs clamp at kExpFloor (e^-104 is 0 in
+// float32), n = round(x log2 e), r = x - n ln2 with ln2 split in two for precision, and poly(r) the
+// Taylor series to r^7 in Horner order.
+constexpr float kExpFloor = -104.0f;
+constexpr float kLog2E = 1.44269504088896341f;
+constexpr float kLn2High = 0.693145751953125f;
+constexpr float kLn2Low = 1.428606765330187e-06f;
+constexpr int kExpTerms = 8;
+constexpr float kExpPoly[kExpTerms] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 #ifdef STRATA_AVX512
 // The first n of 16 lanes (all of them for n >= 16).
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
@@ -123,19 +133,13 @@ inline __m512 load16(const void* p, int64_t i, __mmask16 mask) {
 
 // e^x for x <= 0 (scores minus their running max): 2^n * poly(r), r = x - n ln2 in [-ln2/2, ln2/2].
 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 poly = _mm512_set1_ps(1.0f / 5040);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 720));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 poly = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < kExpTerms; ++i) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_scalef_ps(poly, n);
 }
 #endif
@@ -175,19 +179,13 @@ inline float hsum8(__m256 v) {
 // exp_nonpositive on 8 lanes. AVX2 has no scalef: 2^n (n down to -150, below the normal floats) is
 // applied as two normal factors, 2^(n >> 1) and 2^(n - (n >> 1)), so a subnormal result is rounded once.
 inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 poly = _mm256_set1_ps(1.0f / 5040);
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 720));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 120));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 24));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 6));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 poly = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < kExpTerms; ++i) poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(kExpPoly[i]));
   const __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
   auto pow2 = [](__m256i e) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
