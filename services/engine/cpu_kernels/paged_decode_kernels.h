@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -301,7 +302,10 @@ void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t c
     }
 #elif defined(STRATA_AVX2)
     constexpr int kSets = Sub >= 4 ? 1 : 4 / Sub;
-    for (int64_t h = d; h < std::min(dim, d + 16); h += 8) {
+    // 8 dims from h over the tile's tokens; `whole` (all 8 inside the row) as a constant, so that the
+    // loads of a whole step carry no tail check (a bfloat16 tail load zeroes a stack buffer each time)
+    auto lanes_from = [&](int64_t h, auto whole) {
+      const int64_t n = decltype(whole)::value ? 8 : dim - h;
       __m256 sums[kSets][Sub];
       for (int u = 0; u < kSets; ++u)
         for (int s = 0; s < Sub; ++s)
@@ -309,18 +313,22 @@ void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t c
       int64_t t = 0;
       for (; t + kSets <= count; t += kSets)
         for (int u = 0; u < kSets; ++u) {
-          const __m256 v = load8<Dt>(p.v_cache, row[t + u] + h, dim - h);
+          const __m256 v = load8<Dt>(p.v_cache, row[t + u] + h, n);
           for (int s = 0; s < Sub; ++s)
             sums[u][s] = _mm256_fmadd_ps(_mm256_set1_ps(weight[g0 + s][t + u]), v, sums[u][s]);
         }
       for (; t < count; ++t) {
-        const __m256 v = load8<Dt>(p.v_cache, row[t] + h, dim - h);
+        const __m256 v = load8<Dt>(p.v_cache, row[t] + h, n);
         for (int s = 0; s < Sub; ++s) sums[0][s] = _mm256_fmadd_ps(_mm256_set1_ps(weight[g0 + s][t]), v, sums[0][s]);
       }
       for (int s = 0; s < Sub; ++s) {
         for (int u = 1; u < kSets; ++u) sums[0][s] = _mm256_add_ps(sums[0][s], sums[u][s]);
         _mm256_store_ps(acc + (g0 + s) * kMaxHeadDim + h, sums[0][s]);
       }
+    };
+    for (int64_t h = d; h < std::min(dim, d + 16); h += 8) {
+      if (dim - h >= 8) lanes_from(h, std::true_type{});
+      else lanes_from(h, std::false_type{});
     }
 #else
     const int64_t width = std::min<int64_t>(16, dim - d);
