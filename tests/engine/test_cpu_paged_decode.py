@@ -31,7 +31,7 @@ def make_batch(contexts, block_size, num_kv_heads, group, head_dim, dtype, seed=
     return qkv[:, :num_heads], k_cache, v_cache, block_tables, torch.tensor(contexts)
 
 
-@pytest.mark.slow  # a 135-case shape sweep
+@pytest.mark.slow  # a 162-case shape sweep
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 @pytest.mark.parametrize("group, head_dim", [(1, 128), (2, 64), (2, 72), (4, 80), (4, 64), (2, 36)])
