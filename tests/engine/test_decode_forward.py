@@ -77,11 +77,30 @@ def test_native_step_matches_the_torch_forward(checkpoint, dtype, min_chunk_toke
         torch.testing.assert_close(v, v_expected, **TOLERANCE[native.dtype])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0], []], ids=["all", "some-reordered", "none"])
+def test_logits_in_the_native_call_are_the_heads_on_its_hidden_states(checkpoint, dtype, rows):
+    """``DecodeStep.logits`` runs the model's head inside the step, on the rows asked for (a step's
+    one-token prefill chunks do not sample): the same numbers as ``compute_logits`` on the step's
+    hidden states, rounded to the model's dtype the same way."""
+    runner = make_runner(checkpoint, dtype)
+    step = runner.decode_step
+    assert step.has_head
+    requests, tables = prefill([runner], [5, 17, 40])
+    batch = runner._prepare([ScheduledChunk(r, 1, t) for r, t in zip(requests, tables)])
+    md = batch.metadata
+    inputs = (batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)
+    picked = torch.tensor(rows, dtype=torch.int64)
+    logits = step.logits(*inputs, picked)
+    assert logits.shape == (len(rows), runner.vocab_size) and logits.dtype == torch.float32
+    assert torch.equal(logits, runner.model.compute_logits(step(*inputs).index_select(0, picked)))
+
+
 def test_only_decode_only_steps_run_natively(checkpoint, monkeypatch):
     runner = make_runner(checkpoint, "float32")
     calls = []
-    step = runner.decode_step
-    monkeypatch.setattr(runner, "decode_step", lambda *args: calls.append(args[0].shape[0]) or step(*args))
+    logits = runner.decode_step.logits
+    monkeypatch.setattr(runner.decode_step, "logits", lambda *args: calls.append(args[0].shape[0]) or logits(*args))
     (decoding,), (table,) = prefill([runner], [9])
     runner.compute_logits(SchedulerOutput([ScheduledChunk(decoding, 1, table)]))
     assert calls == [1]

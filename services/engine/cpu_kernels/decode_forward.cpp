@@ -1,5 +1,5 @@
 // One decode step of a Llama-family model (Llama, Mistral, Qwen2) on the CPU: every layer, from the
-// token embeddings to the final norm, in one OpenMP parallel region.
+// token embeddings to the final norm and the logits, in one OpenMP parallel region.
 //
 // A decode step at small batch is a chain of many short operations (the projections stream their
 // weights in tens of microseconds, the norms, rotary and activation take a few), so what it costs
@@ -10,6 +10,8 @@
 //
 //   norm(residual + x) -> qkv -> rotary, K/V store -> paged attention -> o -> norm(residual + o)
 //   -> gate_up -> silu(gate) * up -> down
+//
+// and after the last layer: final norm -> the logits of the rows that sample.
 //
 // The projections are linear_panels.h's kernels on the weights linear.py blocked at load time, the
 // attention is paged_decode_kernels.h's. Every intermediate is rounded to the model's dtype where the
@@ -50,6 +52,9 @@ struct ModelWeights {
   const void* cos;         // [positions, D]
   const void* sin;         // [positions, D], the second half negated (see models/rope.py)
   const LayerWeights* layers;
+  const void* logits;       // blocked [vocab, H] (the head, tied or not), or null: no logits here
+  const void* logits_bias;  // [vocab] or null
+  int64_t vocab;
 };
 
 struct StepInputs {
@@ -62,21 +67,19 @@ struct StepInputs {
   int64_t table_stride;
   int64_t min_chunk_tokens;     // see paged_decode_kernels.h's plan_chunks
   void* out;                    // [M, H]: the final norm of the last hidden state
+  int64_t num_logit_rows;       // S: rows whose logits are wanted (with ModelWeights::logits)
+  const int64_t* logit_rows;    // [S]: which rows, in the order of `logits`
+  float* logits;                // [S, vocab]: rounded to the model's dtype as the torch head rounds them
 };
 
-// y[m, n] = x[m, k] W^T + b in T, from inside the parallel region (a phase of `split`). `packed`
-// holds max(m, 16) * (k + 1) elements: x in the layout of the panel kernels, skipped for one row where
-// that layout is x itself, or the AMX path's last partial tile of rows.
-template <typename T, typename Split>
-void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* bias, int64_t n, T* y,
-            typename Elem<T>::Packed* packed, Split& split) {
+// x[m, k] W^T from inside the parallel region (a phase of `split`), each row's float32 sums handed to
+// `store(row, first_out, acc, num_outs)`. `packed` holds max(m, 16) * (k + 1) elements: x in the layout
+// of the panel kernels, skipped for one row where that layout is x itself, or the AMX path's last
+// partial tile of rows.
+template <typename T, typename Split, typename Store>
+void linear_into(const T* x, int64_t m, int64_t k, const void* blocked, int64_t n, typename Elem<T>::Packed* packed,
+                 Split& split, Store store) {
   using P = typename Elem<T>::Packed;
-  const T* b = static_cast<const T*>(bias);
-  auto store = [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
-    T* out = y + row * n + first_out;
-    for (int o = 0; o < num_outs; ++o)
-      out[o] = Elem<T>::store(acc[o] + (b ? Elem<T>::load(b[first_out + o]) : 0.0f));
-  };
   if constexpr (std::is_same_v<T, float>) {
     const float* xp = x;
     if (m > 1) {
@@ -103,8 +106,21 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
   }
 }
 
+// y[m, n] = x[m, k] W^T + b in T (linear_into).
+template <typename T, typename Split>
+void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* bias, int64_t n, T* y,
+            typename Elem<T>::Packed* packed, Split& split) {
+  const T* b = static_cast<const T*>(bias);
+  linear_into<T>(x, m, k, blocked, n, packed, split, [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
+    T* out = y + row * n + first_out;
+    for (int o = 0; o < num_outs; ++o)
+      out[o] = Elem<T>::store(acc[o] + (b ? Elem<T>::load(b[first_out + o]) : 0.0f));
+  });
+}
+
 constexpr int64_t kActivationSpan = 256;  // elements of one row per silu_mul work item
 constexpr size_t kMaxPhasesPerLayer = 16;  // ProgressSplit phases a layer may take (it takes at most 15)
+constexpr size_t kFinalPhases = 4;         // after the layers: the final norm, the logits' rows, x's packing, the head
 
 template <typename T>
 void decode_step(const ModelWeights& mw, const StepInputs& in) {
@@ -137,7 +153,14 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
 
   // Items of a phase a thread takes at a time: about 8 turns per thread, fewer atomic counts than one each.
   auto grab = [&](int64_t items) { return std::max<int64_t>(1, items / (8 * num_threads)); };
-  PhaseCounters counters(mw.num_layers * kMaxPhasesPerLayer + 1);
+  PhaseCounters counters(mw.num_layers * kMaxPhasesPerLayer + kFinalPhases);
+
+  // The logits' rows: `out` itself when every row samples in order, else a copy of those that do.
+  const bool logits = mw.logits != nullptr && in.logits != nullptr && in.num_logit_rows > 0;
+  const int64_t s = logits ? in.num_logit_rows : 0;
+  bool rows_in_order = s == m;
+  for (int64_t j = 0; j < s && rows_in_order; ++j) rows_in_order = in.logit_rows[j] == j;
+  std::vector<T> picked(rows_in_order ? 0 : s * hidden);
 
   // residual += addend (none on the first layer: the embeddings), then x = norm(residual)
   auto add_and_norm = [&](const T* addend, const void* weight, T* normed, ProgressSplit& split) {
@@ -191,6 +214,23 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
       linear(act.data(), m, inter, lw.down, lw.down_bias, hidden, down.data(), packed.data(), split);
     }
     add_and_norm(down.data(), mw.final_norm, out, split);
+
+    if (logits) {
+      const T* rows = out;
+      if (!rows_in_order) {
+        split.items(s, grab(s), [&](int64_t j) {
+          std::memcpy(picked.data() + j * hidden, out + in.logit_rows[j] * hidden, hidden * sizeof(T));
+        });
+        rows = picked.data();
+      }
+      const T* bias = static_cast<const T*>(mw.logits_bias);
+      linear_into<T>(rows, s, hidden, mw.logits, mw.vocab, packed.data(), split,
+                     [&](int64_t row, int64_t first_out, const float* acc, int num_outs) {
+                       float* logit = in.logits + row * mw.vocab + first_out;
+                       for (int o = 0; o < num_outs; ++o)
+                         logit[o] = E::round(acc[o] + (bias ? E::load(bias[first_out + o]) : 0.0f));
+                     });
+    }
   }
 }
 

@@ -5,7 +5,8 @@ the activation between them; called one by one from Python (or from a compiled g
 pays its dispatch and an OpenMP region whose threads may have gone to sleep, which cost more than the
 arithmetic. ``DecodeStep`` hands the C++ side the model's tensors once (pointers to the weights blocked
 by ``linear.block_weight``, the norms, the rotary tables and the K/V pools), and each step then runs
-every layer in one parallel region, each phase ending when its last work item is done.
+every layer in one parallel region, each phase ending when its last work item is done, and the logits
+head after them (``logits``), which would otherwise start a parallel region of its own from Python.
 
 It serves steps where every request decodes one token, float32 or bfloat16, on the CPU; the model
 runner keeps the torch forward for everything else. Every intermediate is rounded where the torch
@@ -37,13 +38,13 @@ class _ModelWeights(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("embed", _ptr), ("final_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("layers", ctypes.POINTER(_LayerWeights))]
+                ("layers", ctypes.POINTER(_LayerWeights)), ("logits", _ptr), ("logits_bias", _ptr), ("vocab", _i64)]
 
 
 class _StepInputs(ctypes.Structure):
     _fields_ = [("num_rows", _i64), ("token_ids", _ptr), ("positions", _ptr), ("slot_mapping", _ptr),
                 ("block_tables", _ptr), ("seq_lens", _ptr), ("table_stride", _i64), ("min_chunk_tokens", _i64),
-                ("out", _ptr)]
+                ("out", _ptr), ("num_logit_rows", _i64), ("logit_rows", _ptr), ("logits", _ptr)]
 
 
 @functools.cache
@@ -76,8 +77,9 @@ def unsupported_reason(model, kv_caches: list, dtype: torch.dtype, device: torch
 
 class DecodeStep:
     """``step(input_ids, positions, slot_mapping, block_tables, seq_lens) -> [M, H]``: the final-norm
-    hidden state of ``M`` requests decoding one token each, their K/V stored at ``slot_mapping``. Holds
-    pointers into ``model`` and ``kv_caches``, which must stay as they are while it lives."""
+    hidden state of ``M`` requests decoding one token each, their K/V stored at ``slot_mapping``;
+    ``step.logits(..., rows)`` the same step's logits of those rows. Holds pointers into ``model`` and
+    ``kv_caches``, which must stay as they are while it lives."""
 
     def __init__(self, model, kv_caches: list, scale: float,
                  min_chunk_tokens: int = paged_decode.MIN_CHUNK_TOKENS) -> None:
@@ -105,10 +107,32 @@ class DecodeStep:
             eps=model.model.norm.eps, scale=scale, embed=model.model.embed_tokens.weight.data_ptr(),
             final_norm=model.model.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
             layers=self._layers)
+        head = model.lm_head  # the tied embedding's too, after pack_linears
+        self.has_head = getattr(head, "blocked", None) is not None
+        if self.has_head:
+            self.vocab_size = head.out_features
+            self._weights.logits, self._weights.logits_bias = head.blocked.data_ptr(), _pointer(head.bias)
+            self._weights.vocab = head.out_features
         self._keep = (model, kv_caches)  # the tensors the pointers point into
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids, positions, slot_mapping, block_tables, seq_lens, None)[0]
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The step, then the head on the final-norm hidden states of ``rows`` (int64 ``[S]``, each one
+        of the step's rows, as the runner's ``sample_rows``): float32
+        logits ``[S, vocab]``, rounded to the model's dtype first, as ``compute_logits`` rounds them.
+        Only where ``has_head``."""
+        if not self.has_head:
+            raise RuntimeError("DecodeStep.logits: the model's head is not blocked for the native kernel")
+        if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+            raise ValueError(f"DecodeStep: rows must be a contiguous int64 [S], got {rows.dtype} {tuple(rows.shape)}")
+        return self._run(input_ids, positions, slot_mapping, block_tables, seq_lens, rows)[1]
+
+    def _run(self, input_ids, positions, slot_mapping, block_tables, seq_lens,
+             rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         num_rows = input_ids.shape[0]
         for name, tensor in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping),
                              ("seq_lens", seq_lens)):
@@ -120,9 +144,11 @@ class DecodeStep:
             raise ValueError(f"DecodeStep: block_tables must be int64 [{num_rows}, blocks] with unit column stride, "
                              f"got {block_tables.dtype} {tuple(block_tables.shape)}")
         out = torch.empty(num_rows, self.hidden_size, dtype=self.dtype)
+        logits = None if rows is None else torch.empty(rows.shape[0], self.vocab_size)
         if num_rows:
             inputs = _StepInputs(num_rows, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
                                  block_tables.data_ptr(), seq_lens.data_ptr(), block_tables.stride(0),
-                                 self.min_chunk_tokens, out.data_ptr())
+                                 self.min_chunk_tokens, out.data_ptr(), 0 if rows is None else rows.shape[0],
+                                 _pointer(rows), _pointer(logits))
             self._kernel(_DTYPE_CODES[self.dtype], ctypes.byref(self._weights), ctypes.byref(inputs))
-        return out
+        return out, logits
