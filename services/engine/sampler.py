@@ -64,6 +64,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self.process_logits(logits, requests)
         if masks is not None:
+            if processed is logits:  # the caller's logits stay as they came (a failed step samples them again)
+                processed = logits.clone()
             masks.apply(processed, requests, unprocessed=logits)
         logits = processed
         tokens = self._draw(logits, requests)
@@ -73,10 +75,16 @@ class Sampler:
         return token_list, self._logprobs(raw_logprobs, tokens, params)
 
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Penalties, logit bias and the min_tokens mask, in a new tensor."""
-        logits = logits.clone()
+        """Penalties, logit bias and the min_tokens mask, in a new tensor; ``logits`` itself when none
+        of them applies (most steps: a copy of 64 rows of a 152k vocabulary took 2-16 ms on 2 cores)."""
         params = [r.sampling_params for r in requests]
-        _mask_stop_tokens_before_min(logits, requests)
+        banned = _stop_tokens_before_min(requests)
+        if not (banned or any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                              or p.logit_bias for p in params)):
+            return logits
+        logits = logits.clone()
+        for row, token_ids in banned.items():
+            logits[row, token_ids] = float("-inf")
         if any(p.repetition_penalty != 1.0 for p in params):
             penalty = self._column([p.repetition_penalty for p in params])  # [n, 1]
             seen = _token_counts(requests, self.vocab_size, self.device, include_prompt=True) > 0
@@ -176,11 +184,14 @@ def _token_counts(requests: list[Request], vocab_size: int, device: torch.device
     return counts[:, :vocab_size]
 
 
-def _mask_stop_tokens_before_min(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Until a request has ``min_tokens`` outputs, its eos (unless ignored) and stop token ids cannot be drawn."""
+def _stop_tokens_before_min(requests: list[Request]) -> dict[int, list[int]]:
+    """The token ids each row cannot draw yet: until a request has ``min_tokens`` outputs, its eos
+    (unless ignored) and stop token ids."""
+    banned = {}
     for row, r in enumerate(requests):
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
-            banned = p.stop_token_id_set if p.ignore_eos else p.stop_token_id_set | r.eos_token_ids
-            if banned:
-                logits[row, list(banned)] = float("-inf")
+            token_ids = p.stop_token_id_set if p.ignore_eos else p.stop_token_id_set | r.eos_token_ids
+            if token_ids:
+                banned[row] = list(token_ids)
+    return banned

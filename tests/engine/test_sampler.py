@@ -114,6 +114,24 @@ def test_penalties_and_logit_bias_change_logits_exactly():
     assert sampler(logits, [request(temperature=0.0, logit_bias={4: 10.0})])[0] == [4]
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, top_k=3),
+                                    dict(temperature=0.0, min_tokens=3), dict(temperature=0.0, logit_bias={4: 9.0}),
+                                    dict(temperature=0.0, repetition_penalty=1.5)],
+                         ids=["greedy", "top-k", "min-tokens", "logit-bias", "repetition"])
+def test_sampling_leaves_the_callers_logits_as_they_were(params):
+    """Only what changes logits copies them (a plain step samples the runner's own tensor), and the
+    caller's logits stay as they came: a failed step samples them again, one request at a time."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, VOCAB)
+    before = logits.clone()
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    rows = [request(f"r{i}", output=(5,), **params) for i in range(2)]
+    sampler(logits, rows)
+    assert torch.equal(logits, before)
+    processed = sampler.process_logits(logits, rows)
+    assert (processed is logits) == (params in ({"temperature": 0.0}, {"temperature": 0.8, "top_k": 3}))
+
+
 def test_min_tokens_blocks_eos_and_stop_ids():
     logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
     sampler = Sampler(4, torch.device("cpu"))
