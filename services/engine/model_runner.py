@@ -118,11 +118,8 @@ class ModelRunner:
         if self.decode_step is not None and scheduler_output.one_token_each and num_tokens <= NATIVE_MAX_ROWS:
             batch = self._prepare(scheduler_output.chunks)  # one token each: a decode step, in one native call
             md = batch.metadata
-            inputs = (batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)
-            if self.decode_step.has_head:  # the logits in the same call
-                return batch.sample_requests, self.decode_step.logits(*inputs, batch.sample_rows)
-            hidden = self.decode_step(*inputs)
-            return batch.sample_requests, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+            return batch.sample_requests, self.decode_step.logits(batch.input_ids, batch.positions, md.slot_mapping,
+                                                                  md.block_tables, md.seq_lens, batch.sample_rows)
         bucket = self.graphs.bucket_for(num_tokens) if self.is_captured else None
         batch = self._prepare(scheduler_output.chunks, bucket - num_tokens if bucket else 0)
         hidden = self._forward(batch, compiled=bucket is not None)  # [T, H]

@@ -68,10 +68,11 @@ def unsupported_reason(model, kv_caches: list, dtype: torch.dtype, device: torch
         return "the native kernels are not built here"
     if not paged_decode.can_run(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype) or mc.head_dim % 2:
         return f"its attention kernel does not take {mc.num_heads} heads over {mc.num_kv_heads} of dim {mc.head_dim}"
+    linears = [model.lm_head]  # the head: the tied embedding's too, after pack_linears
     for layer in model.model.layers:
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if getattr(linear, "blocked", None) is None:
-                return "the projections are not blocked for the native linear kernel"
+        linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    if any(getattr(linear, "blocked", None) is None for linear in linears):
+        return "the projections are not blocked for the native linear kernel"
     if any(pool.dtype != dtype or not pool.is_contiguous() for pools in kv_caches for pool in pools):
         return "the K/V pools are not contiguous pools of the model's dtype"
     return None
@@ -109,12 +110,9 @@ class DecodeStep:
             eps=model.model.norm.eps, scale=scale, embed=model.model.embed_tokens.weight.data_ptr(),
             final_norm=model.model.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
             layers=self._layers)
-        head = model.lm_head  # the tied embedding's too, after pack_linears
-        self.has_head = getattr(head, "blocked", None) is not None
-        if self.has_head:
-            self.vocab_size = head.out_features
-            self._weights.logits, self._weights.logits_bias = head.blocked.data_ptr(), _pointer(head.bias)
-            self._weights.vocab = head.out_features
+        head = model.lm_head
+        self.vocab_size = self._weights.vocab = head.out_features
+        self._weights.logits, self._weights.logits_bias = head.blocked.data_ptr(), _pointer(head.bias)
         self._keep = (model, kv_caches)  # the tensors the pointers point into
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -125,9 +123,7 @@ class DecodeStep:
                block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The step, then the head on the final-norm hidden states of ``rows`` (int64 ``[S]``, each one
         of the step's rows, as the runner's ``sample_rows``): float32 logits ``[S, vocab]``, rounded to
-        the model's dtype first, as ``compute_logits`` rounds them. Only where ``has_head``."""
-        if not self.has_head:
-            raise RuntimeError("DecodeStep.logits: the model's head is not blocked for the native kernel")
+        the model's dtype first, as ``compute_logits`` rounds them."""
         if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
             raise ValueError(f"DecodeStep: rows must be a contiguous int64 [S], got {rows.dtype} {tuple(rows.shape)}")
         return self._run(input_ids, positions, slot_mapping, block_tables, seq_lens, rows)[1]
