@@ -14,7 +14,7 @@ from datetime import datetime
 
 from services.launcher import Stack, StackConfig, find_free_port
 
-SCHEDULE = "2:5,24:12,1:5,0:12"  # requests/s : seconds; the pause shows the scale-down
+SCHEDULE = "2:4,24:5,1:4,0:8"  # requests/s : seconds; the pause shows the scale-down
 
 
 def scrape(url: str) -> dict[str, float]:
