@@ -15,6 +15,7 @@ ignored, greedy), `--max-concurrency` in flight. Requests are token ids from the
 import argparse
 import asyncio
 import random
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens generated per request (default: %(default)s)")
     parser.add_argument("--num-kv-blocks", type=int, default=160, help="each engine's pool (default: %(default)s)")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts (default: %(default)s)")
+    parser.add_argument("--engine-args", default="",
+                        help="more flags for every engine, one quoted string, as `strata up --engine-args`, e.g. "
+                             "\"--dtype bfloat16\" (a single flag: --engine-args=--enforce-eager) (default: none)")
     return parser
 
 
@@ -74,7 +78,7 @@ def run_policy(args, model_dir: str, policy: str, prompts: list[list[int]]) -> d
     with tempfile.TemporaryDirectory() as logs:
         config = StackConfig(model=model_dir, port=find_free_port(), served_model_name="bench", replicas=args.replicas,
                              engine_args=["--num-kv-blocks", str(args.num_kv_blocks),
-                                          "--max-num-seqs", str(args.max_concurrency)],
+                                          "--max-num-seqs", str(args.max_concurrency), *shlex.split(args.engine_args)],
                              router_args=["--policy", policy], gateway_args=["--log-level", "warning"],
                              log_dir=Path(logs), echo_logs=False)
         with Stack(config) as stack:
