@@ -1,7 +1,9 @@
 """`strata up --replicas 2` survives `kill -9` of one engine while 16 streams run: the launcher keeps
 serving and starts the engine again, requests that had no token yet complete on the other replica,
 streams that were cut end with an OpenAI error event, and the engine is back (SERVING, routed to)
-within its warm-up plus the restart backoff."""
+within its warm-up plus the restart backoff. Then `kill -9` of each other service in turn: the stack
+serves again and the service is restarted. All of it on one stack, each kill left healed before the
+next (the first restart of each service)."""
 
 import asyncio
 import os
@@ -20,11 +22,11 @@ NUM_STREAMS = 16
 MAX_TOKENS = 48
 
 
-@pytest.fixture
-def two_replicas(default_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def two_replicas(default_model_dir, tmp_path_factory):
     config = StackConfig(model=str(default_model_dir), port=find_free_port(), replicas=2,
                          engine_args=["--num-kv-blocks", "256", "--max-num-seqs", "4", "--enforce-eager"],
-                         log_dir=tmp_path / "logs", echo_logs=False, startup_timeout_s=120, grace_s=5,
+                         log_dir=tmp_path_factory.mktemp("failover-logs"), echo_logs=False, startup_timeout_s=120, grace_s=5,
                          restart_backoff_s=0.5)
     with Stack(config) as stack:
         wait_for_replicas(stack.engine_addr, 2)
