@@ -26,8 +26,8 @@ MAX_TOKENS = 48
 def two_replicas(default_model_dir, tmp_path_factory):
     config = StackConfig(model=str(default_model_dir), port=find_free_port(), replicas=2,
                          engine_args=["--num-kv-blocks", "256", "--max-num-seqs", "4", "--enforce-eager"],
-                         log_dir=tmp_path_factory.mktemp("failover-logs"), echo_logs=False, startup_timeout_s=120, grace_s=5,
-                         restart_backoff_s=0.5)
+                         log_dir=tmp_path_factory.mktemp("failover-logs"), echo_logs=False, startup_timeout_s=120,
+                         grace_s=5, restart_backoff_s=0.5)
     with Stack(config) as stack:
         wait_for_replicas(stack.engine_addr, 2)
         yield stack
