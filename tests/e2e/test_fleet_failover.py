@@ -108,9 +108,11 @@ def test_kill_9_of_one_engine_while_16_streams_run(two_replicas):
     for r in results:
         if r["error"] is None:
             assert (r["finish_reason"], r["completion_tokens"]) == ("length", MAX_TOKENS), r
-        else:
-            assert r["tokens"] > 0, f"a request with no token yet failed instead of moving: {r['error']!r}"
-            assert "engine replica engine-0 failed mid-stream" in str(r["error"]), r["error"]
+        else:  # only a stream the router had relayed output of may fail; one with none moves to engine-1.
+            # (The client may have seen no text of it: a token relayed as the engine died can still be on
+            # its way, or be a byte of a character that the detokenizer holds back.)
+            assert "engine replica engine-0 failed mid-stream" in str(r["error"]), \
+                f"a request with no output yet failed instead of moving: {r['error']!r}"
     assert len(cut) <= 4 + 1, "more streams cut than the killed replica was running"  # max-num-seqs 4 there
     # The launcher restarted the engine, and it serves (and is routed to) again.
     back_after = wait_for_replicas(stack.engine_addr, 2, timeout_s=90)
