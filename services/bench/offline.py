@@ -133,6 +133,19 @@ def run_hf_static(model, prompts, output_lens) -> dict[str, float]:
             "output_throughput": useful / seconds}
 
 
+def parse_step_dtypes(value: str) -> list[str]:
+    """--step-dtypes: a comma list of the engine's dtypes; none (or nothing) skips the batch-1 step
+    section. Checked before anything runs, not after the workload."""
+    from services.engine.config import DTYPES
+
+    names = [name.strip() for name in value.split(",") if name.strip() and name.strip() != "none"]
+    unknown = sorted(set(names) - set(DTYPES))
+    if unknown:
+        raise SystemExit(f"strata bench offline: --step-dtypes: unknown dtype(s) {unknown}; "
+                         f"use a comma list of {', '.join(DTYPES)}, or none")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     from services.bench.results import BenchResult, RunResult, save_result
     from services.engine.engine_args import config_from_args
@@ -142,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(baselines) - set(BASELINES)
     if unknown:
         raise SystemExit(f"strata bench offline: unknown baseline(s) {sorted(unknown)}")
-    step_dtypes = [] if args.step_dtypes == "none" else args.step_dtypes.split(",")
+    step_dtypes = parse_step_dtypes(args.step_dtypes)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model:
             print(f"writing a random-weight '{args.shape}' Llama checkpoint ...", file=sys.stderr)

@@ -13,9 +13,8 @@ from services.bench.floor import workload_cost
 from services.bench.results import load_result
 from services.engine.models.config import load_model_config
 
-pytestmark = pytest.mark.slow  # runs the offline bench on a model
 
-
+@pytest.mark.slow  # runs the offline bench on a model
 def test_offline_bench_runs_engine_and_baselines_and_writes_a_comparable_result(tmp_path, capsys):
     argv = ["--shape", "tiny", "--num-prompts", "4", "--input-len", "8,24", "--output-len", "4,8",
             "--hf-batch1-prompts", "2", "--save-result", "--result-dir", str(tmp_path),
@@ -50,3 +49,14 @@ def test_offline_bench_runs_engine_and_baselines_and_writes_a_comparable_result(
 
     assert compare.main([str(tmp_path / "offline.json"), str(tmp_path / "offline.json")]) == 0
     assert "output_throughput" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, names", [("float32,bfloat16", ["float32", "bfloat16"]), (" bfloat16 ,", ["bfloat16"]),
+                                          ("none", []), ("", [])])
+def test_step_dtypes_parse_and_none_or_nothing_skips_the_section(value, names):
+    assert offline.parse_step_dtypes(value) == names
+
+
+def test_an_unknown_step_dtype_is_refused_before_the_workload_runs(tmp_path):
+    with pytest.raises(SystemExit, match=r"--step-dtypes: unknown dtype\(s\) \['fp16'\]"):
+        offline.main(["--model", str(tmp_path / "never-read"), "--step-dtypes", "float32,fp16"])
