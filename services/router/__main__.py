@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "refused meanwhile (default: %(default)s)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="replicas a request may try when they fail before its first token (default: %(default)s)")
+    parser.add_argument("--migration-limit", type=int, default=0,
+                        help="times a stream whose replica fails mid-way may go on on another replica, the tokens "
+                             "so far appended to its prompt (Dynamo's flag; services/router/migration.py); 0: the "
+                             "client sees the cut (default: %(default)s)")
     add_tls_args(parser)  # served to the gateway, and presented to (and verifying) the engines
     add_logging_args(parser)
     return parser
@@ -55,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     if not addresses and not (args.nats_url and is_authenticated(args.nats_url)):
         parser.error("give --engine-addrs, or --nats-url with NATS credentials (STRATA_NATS_TOKEN or "
                      "STRATA_NATS_TOKEN_FILE) for engines that announce themselves")
-    if args.health_check_interval <= 0 or args.max_attempts < 1:
-        parser.error("--health-check-interval must be > 0 and --max-attempts >= 1")
+    if args.health_check_interval <= 0 or args.max_attempts < 1 or args.migration_limit < 0:
+        parser.error("--health-check-interval must be > 0, --max-attempts >= 1 and --migration-limit >= 0")
     setup_logging(args.log_level, args.log_format, service="strata-router", instance=args.router_id)
     setup_tracing("strata-router", instance_id=args.router_id)
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
                      args.health_check_interval, args.max_attempts, args.policy, args.metrics_port,
-                     args.forget_after, args.max_joined_replicas, args.shutdown_timeout, tls))
+                     args.forget_after, args.max_joined_replicas, args.shutdown_timeout, tls,
+                     migration_limit=args.migration_limit))
     return 0
 
 

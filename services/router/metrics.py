@@ -15,6 +15,8 @@ class RouterMetrics:
                               ["replica"], registry=self.registry)
         self.failovers = Counter("strata:router_failovers", "Requests moved to another replica after one "
                                  "failed before the first token.", ["replica"], registry=self.registry)
+        self.migrations = Counter("strata:router_migrations", "Streams that went on on another replica after "
+                                  "this one failed mid-way (--migration-limit).", ["replica"], registry=self.registry)
         self.healthy = Gauge("strata:router_replica_healthy", "1 while the replica is serving, else 0.",
                              ["replica"], registry=self.registry)
         self.in_flight = Gauge("strata:router_requests_in_flight", "This router's requests running on the replica.",
@@ -36,7 +38,7 @@ class RouterMetrics:
         departed one, and the old name of a renamed one (a replica is named by its address until its
         Info gives its id, and by a new id when another engine takes its address), so that no
         stale label set lingers beside the live one."""
-        for family in (self.routed, self.failovers, self.healthy, self.in_flight, self.index_blocks):
+        for family in (self.routed, self.failovers, self.migrations, self.healthy, self.in_flight, self.index_blocks):
             exported = {sample.labels["replica"] for metric in family.collect() for sample in metric.samples}
             for replica in exported - replicas:
                 family.remove(replica)

@@ -8,8 +8,9 @@ requests travel to a replica on the router's one ``GenerateMany`` stream to it (
 If the replica fails before the first output (UNAVAILABLE: down, draining, unreachable; it is marked
 down), stops answering its health checks while the request waits for that output (hung: paused,
 partitioned), or refuses it for a full queue (RESOURCE_EXHAUSTED), the request goes to another, up to
-``max_attempts`` replicas (all full: RESOURCE_EXHAUSTED); after the first output an error is the
-client's to see. An engine's own refusal (INVALID_ARGUMENT,
+``max_attempts`` replicas (all full: RESOURCE_EXHAUSTED). After the first output a replica's failure
+is the client's to see, unless the request migrates (``--migration-limit``, `migration`): then it
+goes on on another replica. An engine's own refusal (INVALID_ARGUMENT,
 ...) is passed on as it is. ``Info`` is a healthy replica's (with the router's id); ``Load`` sums the
 healthy replicas'. Health is SERVING while at least one replica is.
 """
@@ -35,6 +36,7 @@ from services.common.shared_generate import SharedGenerate, status_error
 from services.common.shared_stream import in_sampled_trace
 from services.common.tls import TlsFiles
 from services.router.metrics import RouterMetrics
+from services.router.migration import Migration
 from services.router.placement import Placement
 from services.router.prefix_index import PrefixIndex
 from services.router.replicas import Replica, ReplicaSet
@@ -73,11 +75,13 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
     """The relay and its failover; where a request goes is `placement`'s."""
 
     def __init__(self, placement: Placement, router_id: str, max_attempts: int = 3,
-                 request_timeout_s: float = 3600.0, metrics: RouterMetrics | None = None) -> None:
+                 request_timeout_s: float = 3600.0, metrics: RouterMetrics | None = None,
+                 migration_limit: int = 0) -> None:
         self.placement = placement
         self.replicas = placement.replicas
         self.router_id = router_id
         self.max_attempts = max_attempts
+        self.migration_limit = migration_limit
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics or RouterMetrics()
         self._counted: dict[str, engine_pb2.LoadReport] = {}  # each known replica's latest answer, see Load
@@ -115,13 +119,20 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
             request, timeout=self.request_timeout_s, metadata=metadata))
 
     async def _relay(self, request: engine_pb2.GenerateRequest):
-        """``request``'s outputs from the replica that takes it; raises what its Generate call ends with
+        """``request``'s outputs from the replica that takes it, and, where the request migrates
+        (`migration`), from the replicas that continue it; raises what its Generate call ends with
         (`grpc.aio.AioRpcError` for a replica's status or a cut, `services.common.errors` for none left)."""
         tried: set[str] = set()
+        attempts = 0  # replicas tried for this request, or for its latest continuation
         full = False  # a replica refused for a full queue
+        migration = Migration(request, self.migration_limit)
+        cut: str | None = None  # the failure the latest continuation follows
         while True:
-            picked = self.placement.pick(request, tried) if len(tried) < self.max_attempts else None
+            picked = self.placement.pick(request, tried) if attempts < self.max_attempts else None
             if picked is None:
+                if cut is not None:
+                    raise status_error(grpc.StatusCode.UNAVAILABLE, f"{cut}; no other replica could continue it "
+                                                                    f"({', '.join(sorted(tried))}); the output is incomplete")
                 if full:
                     raise ResourceExhaustedError(f"every engine replica tried is at capacity "
                                                  f"({', '.join(sorted(tried))}); retry later")
@@ -129,6 +140,7 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                                               f"every engine replica tried failed ({', '.join(sorted(tried))})")
             replica, overlap = picked
             tried.add(replica.address)
+            attempts += 1
             span = trace.get_current_span()
             span.set_attributes({"strata.router.replica": replica.name, "strata.router.prefix_overlap": overlap,
                                  "strata.router.attempt": len(tried)})
@@ -144,7 +156,7 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 output = await _first_output(call, replica)
                 while output is not grpc.aio.EOF:
                     relayed = True
-                    yield output
+                    yield migration.relayed(output)
                     if output.finish_reason:  # done: not waiting for the stream's end, which the caller
                         return  # may cancel as soon as it has this last message
                     output = await call.read()
@@ -163,9 +175,20 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 if error.code() in _DOWN_ON:
                     self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
                 full = full or error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                if relayed:  # tokens already went out: the client sees the cut (an SSE error event)
-                    raise status_error(error.code(), f"engine replica {replica.name} failed mid-stream "
-                                                     f"({error.details()}); the output is incomplete") from None
+                if relayed:  # tokens already went out: the request goes on elsewhere, or the client sees the cut
+                    cut = f"engine replica {replica.name} failed mid-stream ({error.details()})"
+                    refusal = migration.refusal() if error.code() in _DOWN_ON else "not a replica failure"
+                    if refusal is not None:
+                        raise status_error(error.code(), f"{cut}; the output is incomplete") from None
+                    request, attempts = migration.continuation(), 0
+                    self.metrics.migrations.labels(replica.name).inc()
+                    span.add_event("migrated", {"strata.router.replica": replica.name,
+                                                "strata.router.migration": migration.count,
+                                                "strata.router.tokens_relayed": len(migration.generated)})
+                    log.warning("request %s: replica %s failed after %d tokens (%s); continuing it on another "
+                                "(migration %d of %d)", request.request_id, replica.name, len(migration.generated),
+                                error.code().name, migration.count, migration.limit)
+                    continue
                 if error.code() not in _RETRY_ON:  # the engine's own refusal, its status details kept
                     raise
                 self.metrics.failovers.labels(replica.name).inc()
@@ -241,7 +264,7 @@ async def subscribe_events(nats_url: str, replicas: ReplicaSet, index: PrefixInd
 async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | None, router_id: str,
                 hash_seed: int, check_interval_s: float, max_attempts: int, policy: str = "cache-aware",
                 metrics_port: int | None = None, forget_after_s: float = 30.0, max_joined: int = 64,
-                shutdown_timeout_s: float = 60.0, tls: TlsFiles | None = None) -> None:
+                shutdown_timeout_s: float = 60.0, tls: TlsFiles | None = None, migration_limit: int = 0) -> None:
     """Serves until SIGTERM/SIGINT."""
     index = PrefixIndex()
     allow_joins = nats_url is not None and is_authenticated(nats_url)
@@ -254,7 +277,8 @@ async def serve(host: str, port: int, engine_addrs: list[str], nats_url: str | N
     replicas.on_refused = lambda report: metrics.refused_reports.inc()
     if metrics_port is not None:
         metrics.start_http_server(host, metrics_port)
-    servicer = RouterServicer(Placement(replicas, index, hash_seed, policy), router_id, max_attempts, metrics=metrics)
+    servicer = RouterServicer(Placement(replicas, index, hash_seed, policy), router_id, max_attempts, metrics=metrics,
+                              migration_limit=migration_limit)
     server = GrpcServer([SERVICE_NAME], grace_s=shutdown_timeout_s)
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     bound = server.add_port(f"{host}:{port}", tls)
