@@ -1,8 +1,17 @@
 """`services.router.migration`: what a stream cut mid-way continues as on another replica, what the
-client is told of its usage, and which requests are not migrated."""
+client is told of its usage, and which requests are not migrated; then a router with
+`--migration-limit 1` in front of two engine processes, one killed mid-stream."""
+
+import os
+import signal
+import threading
+
+import grpc
+import pytest
 
 from services.common.pb import engine_pb2
 from services.router.migration import Migration
+from tests.processes import RouterProcess, generate_request, start_fleet
 
 
 def request(**sampling) -> engine_pb2.GenerateRequest:
@@ -45,3 +54,62 @@ def test_what_is_not_migrated():
     constrained.structured_output.SetInParent()
     assert Migration(constrained, 1).refusal() == "structured output is not migrated"
     assert Migration(request(seed=7, repetition_penalty=1.2, temperature=0.8), 1).refusal() is None
+
+
+
+@pytest.mark.slow  # starts NATS, two engines and two routers
+def test_kill_9_mid_stream_a_greedy_stream_goes_on_and_a_penalized_one_is_cut(default_model_dir, tmp_path,
+                                                                               free_port_factory):
+    max_tokens = 1000
+    with start_fleet(default_model_dir, tmp_path, free_port_factory, ("m0", "m1")) as fleet, \
+            RouterProcess(free_port_factory(), [e.address for e in fleet.engines.values()], fleet.nats.url,
+                          tmp_path / "migrating.log", free_port_factory(),
+                          extra_args=("--migration-limit", "1", "--policy", "round-robin")) as router:
+        router.wait_serving()
+        router.wait_replicas(2)
+        # Sent one by one, each after the previous one's first output: round robin gives each replica
+        # one greedy stream and one with a presence penalty.
+        requests = [generate_request("greedy-0", [11, 12, 13], max_tokens, temperature=0.0),
+                    generate_request("greedy-1", [21, 22, 23], max_tokens, temperature=0.0),
+                    generate_request("penalty-0", [31, 32, 33], max_tokens, temperature=0.0, presence_penalty=0.5),
+                    generate_request("penalty-1", [41, 42, 43], max_tokens, temperature=0.0, presence_penalty=0.5)]
+        outputs = {r.request_id: [] for r in requests}
+        errors: dict[str, grpc.RpcError] = {}
+
+        def consume(request, started: threading.Event) -> None:
+            try:
+                for output in router.stub.Generate(request, timeout=120):
+                    outputs[request.request_id].append(output)
+                    started.set()
+            except grpc.RpcError as error:
+                errors[request.request_id] = error
+            started.set()
+
+        threads = []
+        for request in requests:
+            started = threading.Event()
+            threads.append(threading.Thread(target=consume, args=(request, started)))
+            threads[-1].start()
+            assert started.wait(60)
+        victim = outputs["greedy-0"][0].replica_id
+        survivor = ({"m0", "m1"} - {victim}).pop()
+        os.kill(fleet.engines[victim].process.pid, signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=120)
+
+        on_victim = {rid for rid, outs in outputs.items() if outs and outs[0].replica_id == victim}
+        assert on_victim == {"greedy-0", "penalty-0"}, {rid: outs[0].replica_id for rid, outs in outputs.items()}
+        greedy = outputs["greedy-0"]  # went on on the survivor: one stream, every token, the whole usage
+        assert "greedy-0" not in errors, errors.get("greedy-0")
+        served_by = [o.replica_id for o in greedy]
+        assert 0 < served_by.count(victim) and served_by[-1] == survivor, "not cut mid-way"
+        assert sum(len(o.token_ids) for o in greedy) == max_tokens
+        assert greedy[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+        assert (greedy[-1].usage.prompt_tokens, greedy[-1].usage.completion_tokens) == (3, max_tokens)
+        cut = errors["penalty-0"]  # a continuation would not be the same request: the client sees the cut
+        assert cut.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"engine replica {victim} failed mid-stream" in cut.details() and "incomplete" in cut.details()
+        assert 0 < sum(len(o.token_ids) for o in outputs["penalty-0"]) < max_tokens
+        for rid in ("greedy-1", "penalty-1"):
+            assert rid not in errors and sum(len(o.token_ids) for o in outputs[rid]) == max_tokens
+        assert router.metric_values()[f'strata:router_migrations_total{{replica="{victim}"}}'] == 1
