@@ -179,7 +179,8 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                     cut = f"engine replica {replica.name} failed mid-stream ({error.details()})"
                     refusal = migration.refusal() if error.code() in _DOWN_ON else "not a replica failure"
                     if refusal is not None:
-                        raise status_error(error.code(), f"{cut}; the output is incomplete") from None
+                        why = f" (not continued elsewhere: {refusal})" if self.migration_limit else ""
+                        raise status_error(error.code(), f"{cut}; the output is incomplete{why}") from None
                     request, attempts = migration.continuation(), 0
                     self.metrics.migrations.labels(replica.name).inc()
                     span.add_event("migrated", {"strata.router.replica": replica.name,
