@@ -1,15 +1,16 @@
 """Request migration, as Dynamo's ``--migration-limit``: when the replica of a stream fails after
-outputs went out (it died, or its drain timed out: UNAVAILABLE), the router sends the rest of the
-request to another replica, whose outputs continue the same stream; the client sees no cut.
+outputs went out (it died, hung past its health checks, or its drain timed out: UNAVAILABLE), the
+router sends the rest of the request to another replica, whose outputs continue the same stream; the
+client sees no cut.
 
 The continuation is the request with the tokens relayed so far appended to its prompt, and
 ``max_tokens`` / ``min_tokens`` less those tokens; its outputs carry the usage of the whole request
-(the original prompt, every token generated). Greedy requests go on exactly as they would have; a
-seeded one goes on with a fresh draw from its seed, so its text is not the one an uninterrupted run
-would give. Not migrated (cut with an error as without migration), because a continuation would
-not be the same request: structured output (the constraint would start again at the continuation's
-first token) and presence or frequency penalties (they count only generated tokens, which the
-continuation sees as prompt).
+(the original prompt, every token generated). Greedy requests go on as they would have (up to the
+rounding of one prefill against the decode steps it replaces); a seeded one goes on with a fresh
+draw from its seed, so its text is not the one an uninterrupted run would give. Not migrated (cut
+with an error as without migration), because a continuation would not be the same request:
+structured output (the constraint would start again at the continuation's first token) and presence
+or frequency penalties (they count only generated tokens, which the continuation sees as prompt).
 """
 
 from services.common.pb import engine_pb2

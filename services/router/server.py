@@ -8,9 +8,10 @@ requests travel to a replica on the router's one ``GenerateMany`` stream to it (
 If the replica fails before the first output (UNAVAILABLE: down, draining, unreachable; it is marked
 down), stops answering its health checks while the request waits for that output (hung: paused,
 partitioned), or refuses it for a full queue (RESOURCE_EXHAUSTED), the request goes to another, up to
-``max_attempts`` replicas (all full: RESOURCE_EXHAUSTED). After the first output a replica's failure
-is the client's to see, unless the request migrates (``--migration-limit``, `migration`): then it
-goes on on another replica. An engine's own refusal (INVALID_ARGUMENT,
+``max_attempts`` replicas (all full: RESOURCE_EXHAUSTED). After the first output a replica's failure,
+or its health checks failing (a hung stream does not wait for the request's deadline), is the client's
+to see as UNAVAILABLE, unless the request migrates (``--migration-limit``, `migration`): then it goes
+on on another replica. An engine's own refusal (INVALID_ARGUMENT,
 ...) is passed on as it is. ``Info`` is a healthy replica's (with the router's id); ``Load`` sums the
 healthy replicas'. Health is SERVING while at least one replica is.
 """
@@ -32,7 +33,7 @@ from services.common.grpc_server import GrpcServer
 from services.common.nats_auth import connect_options, is_authenticated
 from services.common.nats_logging import connection_callbacks
 from services.common.pb import engine_pb2, engine_pb2_grpc, events_pb2
-from services.common.shared_generate import SharedGenerate, status_error
+from services.common.shared_generate import SharedGenerate, SharedGenerateCall, status_error
 from services.common.shared_stream import in_sampled_trace
 from services.common.tls import TlsFiles
 from services.router.metrics import RouterMetrics
@@ -51,13 +52,15 @@ _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # 
 
 
 class ReplicaUnresponsive(Exception):
-    """The replica's health check failed while an attempt waited for its first output."""
+    """The replica's health check failed while an attempt waited for its output."""
 
 
-async def _first_output(call, replica: Replica):
-    """The call's first message (or EOF), unless the replica's health check fails first: a hung replica
+async def _read(call, replica: Replica):
+    """The call's next message (or EOF), unless the replica's health check fails first: a hung replica
     (paused, partitioned) answers neither the request nor its health checks, and the request must not wait
-    for it forever."""
+    for it forever. A call on a shared stream is told by `_watch` instead, without a task per read."""
+    if isinstance(call, SharedGenerateCall):
+        return await call.read()
     read = asyncio.ensure_future(call.read())
     down = asyncio.ensure_future(replica.unresponsive.wait())
     try:
@@ -69,6 +72,19 @@ async def _first_output(call, replica: Replica):
     if not read.done() or read.cancelled():
         raise ReplicaUnresponsive(replica.address)
     return read.result()
+
+
+def _watch(call, replica: Replica) -> asyncio.Future | None:
+    """For a call on a shared stream: a task that ends its reads with `ReplicaUnresponsive` once the
+    replica's health check fails (cancel it when the attempt ends)."""
+    if not isinstance(call, SharedGenerateCall):
+        return None
+
+    async def watch() -> None:
+        await replica.unresponsive.wait()
+        call.deliver(ReplicaUnresponsive(replica.address))
+
+    return asyncio.ensure_future(watch())
 
 
 class RouterServicer(engine_pb2_grpc.EngineServicer):
@@ -151,23 +167,27 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
             replica.in_flight += 1
             self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
             call = self._call(replica, request)
+            watch = _watch(call, replica)
             relayed = False
+            failure: tuple[grpc.StatusCode, str] | None = None  # how the replica failed after relaying outputs
             try:
-                output = await _first_output(call, replica)
+                output = await _read(call, replica)
                 while output is not grpc.aio.EOF:
                     relayed = True
                     yield migration.relayed(output)
                     if output.finish_reason:  # done: not waiting for the stream's end, which the caller
                         return  # may cancel as soon as it has this last message
-                    output = await call.read()
+                    output = await _read(call, replica)
                 return
             except ReplicaUnresponsive:  # hung (paused, partitioned): its health check failed while we waited
                 span.add_event("attempt failed", {"strata.router.replica": replica.name,
-                                                  "strata.router.error": "unresponsive before its first output"})
-                self.metrics.failovers.labels(replica.name).inc()
-                log.warning("request %s: replica %s stopped answering health checks before its first output; "
-                            "trying another",
-                            request.request_id, replica.name)
+                                                  "strata.router.error": "unresponsive"})
+                if relayed:
+                    failure = (grpc.StatusCode.UNAVAILABLE, "it stopped answering its health checks")
+                else:
+                    self.metrics.failovers.labels(replica.name).inc()
+                    log.warning("request %s: replica %s stopped answering health checks before its first output; "
+                                "trying another", request.request_id, replica.name)
             except grpc.aio.AioRpcError as error:
                 span.add_event("attempt failed", {"strata.router.replica": replica.name,
                                                   "rpc.grpc.status_code": error.code().value[0],
@@ -175,30 +195,35 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 if error.code() in _DOWN_ON:
                     self.replicas.mark_down(replica, f"Generate failed: {error.code().name}: {error.details()}")
                 full = full or error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                if relayed:  # tokens already went out: the request goes on elsewhere, or the client sees the cut
-                    cut = f"engine replica {replica.name} failed mid-stream ({error.details()})"
-                    refusal = migration.refusal() if error.code() in _DOWN_ON else "not a replica failure"
-                    if refusal is not None:
-                        why = f" (not continued elsewhere: {refusal})" if self.migration_limit else ""
-                        raise status_error(error.code(), f"{cut}; the output is incomplete{why}") from None
-                    request, attempts = migration.continuation(), 0
-                    self.metrics.migrations.labels(replica.name).inc()
-                    span.add_event("migrated", {"strata.router.replica": replica.name,
-                                                "strata.router.migration": migration.count,
-                                                "strata.router.tokens_relayed": len(migration.generated)})
-                    log.warning("request %s: replica %s failed after %d tokens (%s); continuing it on another "
-                                "(migration %d of %d)", request.request_id, replica.name, len(migration.generated),
-                                error.code().name, migration.count, migration.limit)
-                    continue
-                if error.code() not in _RETRY_ON:  # the engine's own refusal, its status details kept
+                if relayed:
+                    failure = (error.code(), error.details())
+                elif error.code() not in _RETRY_ON:  # the engine's own refusal, its status details kept
                     raise
-                self.metrics.failovers.labels(replica.name).inc()
-                log.warning("request %s: replica %s refused or failed before its first output (%s); trying another",
-                            request.request_id, replica.name, error.code().name)
+                else:
+                    self.metrics.failovers.labels(replica.name).inc()
+                    log.warning("request %s: replica %s refused or failed before its first output (%s); "
+                                "trying another", request.request_id, replica.name, error.code().name)
             finally:
+                if watch is not None:
+                    watch.cancel()
                 call.cancel()  # a client that left, or a relay cut short, frees the engine's blocks
                 replica.in_flight -= 1
                 self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
+            if failure is not None:  # outputs already went out: the request goes on elsewhere, or the client sees the cut
+                code, details = failure
+                cut = f"engine replica {replica.name} failed mid-stream ({details})"
+                refusal = migration.refusal() if code in _DOWN_ON else "not a replica failure"
+                if refusal is not None:
+                    why = f" (not continued elsewhere: {refusal})" if self.migration_limit else ""
+                    raise status_error(code, f"{cut}; the output is incomplete{why}")
+                request, attempts = migration.continuation(), 0
+                self.metrics.migrations.labels(replica.name).inc()
+                span.add_event("migrated", {"strata.router.replica": replica.name,
+                                            "strata.router.migration": migration.count,
+                                            "strata.router.tokens_relayed": len(migration.generated)})
+                log.warning("request %s: replica %s failed after %d tokens (%s); continuing it on another "
+                            "(migration %d of %d)", request.request_id, replica.name, len(migration.generated),
+                            code.name, migration.count, migration.limit)
 
     async def Info(self, request, context) -> engine_pb2.EngineInfoResponse:
         known = [r for r in self.replicas.healthy() if r.info is not None]

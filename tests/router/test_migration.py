@@ -1,6 +1,6 @@
 """`services.router.migration`: what a stream cut mid-way continues as on another replica, what the
 client is told of its usage, and which requests are not migrated; then a router with
-`--migration-limit 1` in front of two engine processes, one killed mid-stream."""
+`--migration-limit 1` in front of two engine processes, one killed or paused mid-stream."""
 
 import os
 import signal
@@ -58,12 +58,14 @@ def test_what_is_not_migrated():
 
 
 @pytest.mark.slow  # starts NATS, two engines and two routers
-def test_kill_9_mid_stream_a_greedy_stream_goes_on_and_a_penalized_one_is_cut(default_model_dir, tmp_path,
-                                                                               free_port_factory):
+@pytest.mark.parametrize("how, cause", [(signal.SIGKILL, ""),  # dead: gRPC words it
+                                        (signal.SIGSTOP, "it stopped answering its health checks")])  # hung
+def test_a_replica_failing_mid_stream_a_greedy_stream_goes_on_and_a_penalized_one_is_cut(
+        default_model_dir, tmp_path, free_port_factory, how, cause):
     max_tokens = 1000
     with start_fleet(default_model_dir, tmp_path, free_port_factory, ("m0", "m1")) as fleet, \
             RouterProcess(free_port_factory(), [e.address for e in fleet.engines.values()], fleet.nats.url,
-                          tmp_path / "migrating.log", free_port_factory(),
+                          tmp_path / "migrating.log", free_port_factory(), check_interval_s=0.2,
                           extra_args=("--migration-limit", "1", "--policy", "round-robin")) as router:
         router.wait_serving()
         router.wait_replicas(2)
@@ -93,9 +95,10 @@ def test_kill_9_mid_stream_a_greedy_stream_goes_on_and_a_penalized_one_is_cut(de
             assert started.wait(60)
         victim = outputs["greedy-0"][0].replica_id
         survivor = ({"m0", "m1"} - {victim}).pop()
-        os.kill(fleet.engines[victim].process.pid, signal.SIGKILL)
+        os.kill(fleet.engines[victim].process.pid, how)
         for thread in threads:
             thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads), "a stream hangs"
 
         on_victim = {rid for rid, outs in outputs.items() if outs and outs[0].replica_id == victim}
         assert on_victim == {"greedy-0", "penalty-0"}, {rid: outs[0].replica_id for rid, outs in outputs.items()}
@@ -108,7 +111,7 @@ def test_kill_9_mid_stream_a_greedy_stream_goes_on_and_a_penalized_one_is_cut(de
         assert (greedy[-1].usage.prompt_tokens, greedy[-1].usage.completion_tokens) == (3, max_tokens)
         cut = errors["penalty-0"]  # a continuation would not be the same request: the client sees the cut
         assert cut.code() == grpc.StatusCode.UNAVAILABLE
-        assert f"engine replica {victim} failed mid-stream" in cut.details()
+        assert f"engine replica {victim} failed mid-stream ({cause}" in cut.details()
         assert cut.details().endswith("the output is incomplete (not continued elsewhere: presence and frequency "
                                       "penalties are not migrated)"), cut.details()
         assert 0 < sum(len(o.token_ids) for o in outputs["penalty-0"]) < max_tokens
