@@ -51,40 +51,81 @@ _DOWN_ON = (grpc.StatusCode.UNAVAILABLE,)  # RESOURCE_EXHAUSTED: a full queue, n
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # summed over every replica seen
 
 
+# A stream whose replica failed a health check is cut only once it has also had no output for this
+# long: a replica whose check timed out while it was busy, but that still streams, keeps its streams.
+_STALL_S = 1.0
+
+
 class ReplicaUnresponsive(Exception):
     """The replica's health check failed while an attempt waited for its output."""
 
 
-async def _read(call, replica: Replica):
-    """The call's next message (or EOF), unless the replica's health check fails first: a hung replica
-    (paused, partitioned) answers neither the request nor its health checks, and the request must not wait
-    for it forever. A call on a shared stream is told by `_watch` instead, without a task per read."""
-    if isinstance(call, SharedGenerateCall):
-        return await call.read()
-    read = asyncio.ensure_future(call.read())
-    down = asyncio.ensure_future(replica.unresponsive.wait())
-    try:
-        await asyncio.wait((read, down), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        down.cancel()
-        if not read.done():
-            read.cancel()
-    if not read.done() or read.cancelled():
-        raise ReplicaUnresponsive(replica.address)
-    return read.result()
+class _Attempt:
+    """One Generate call to one replica, read until the replica stops answering its health checks (hung:
+    paused, partitioned), which answers neither the request nor the checks: the request must not wait
+    for it until its deadline. Before the first output that ends the wait at once; after it, once the
+    stream has also been quiet for ``_STALL_S``. A call on a shared stream is watched by one task for
+    the whole attempt; another races each read with the health check."""
 
+    def __init__(self, call, replica: Replica) -> None:
+        self.call, self.replica = call, replica
+        self.last_output: float | None = None  # when the latest output came; None before the first
+        self._watch = asyncio.ensure_future(self._watch_shared()) if isinstance(call, SharedGenerateCall) else None
 
-def _watch(call, replica: Replica) -> asyncio.Future | None:
-    """For a call on a shared stream: a task that ends its reads with `ReplicaUnresponsive` once the
-    replica's health check fails (cancel it when the attempt ends)."""
-    if not isinstance(call, SharedGenerateCall):
-        return None
+    async def read(self):
+        """The call's next message (or EOF); raises `ReplicaUnresponsive` as above."""
+        if self._watch is not None:
+            output = await self.call.read()
+        else:
+            output = await self._read_racing()
+        self.last_output = time.monotonic()
+        return output
 
-    async def watch() -> None:
-        await replica.unresponsive.wait()
-        call.deliver(ReplicaUnresponsive(replica.address))
+    def close(self) -> None:
+        """Ends the call (an engine frees what it held for it) and the watch."""
+        if self._watch is not None:
+            self._watch.cancel()
+        self.call.cancel()
 
-    return asyncio.ensure_future(watch())
+    def _quiet_for(self) -> float:
+        """How much longer the stream may stay quiet before it is cut (0: now). On a shared stream an
+        output that came but was not read yet (the client reads slowly) counts as one."""
+        last = self.last_output
+        if last is not None and self._watch is not None:
+            last = max(last, self.call.last_delivery)
+        return 0.0 if last is None else max(0.0, last + _STALL_S - time.monotonic())
+
+    def _hung(self) -> bool:
+        """Whether the replica has failed its latest health check (a new, unset event once it recovers)."""
+        return self.replica.unresponsive.is_set()
+
+    async def _watch_shared(self) -> None:
+        while True:
+            await self.replica.unresponsive.wait()
+            while self._hung() and (wait := self._quiet_for()) > 0:
+                await asyncio.sleep(wait)
+            if self._hung():
+                break
+        self.call.deliver(ReplicaUnresponsive(self.replica.address))
+
+    async def _read_racing(self):
+        read = asyncio.ensure_future(self.call.read())
+        try:
+            while not read.done():
+                down = asyncio.ensure_future(self.replica.unresponsive.wait())
+                try:
+                    await asyncio.wait((read, down), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    down.cancel()
+                if read.done() or (wait := self._quiet_for()) == 0:
+                    break
+                await asyncio.wait((read,), timeout=wait)  # then the replica is looked at again
+        finally:
+            if not read.done():
+                read.cancel()
+        if not read.done() or read.cancelled():
+            raise ReplicaUnresponsive(self.replica.address)
+        return read.result()
 
 
 class RouterServicer(engine_pb2_grpc.EngineServicer):
@@ -166,18 +207,17 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
             self.metrics.overlap.observe(overlap)
             replica.in_flight += 1
             self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
-            call = self._call(replica, request)
-            watch = _watch(call, replica)
+            attempt = _Attempt(self._call(replica, request), replica)
             relayed = False
             failure: tuple[grpc.StatusCode, str] | None = None  # how the replica failed after relaying outputs
             try:
-                output = await _read(call, replica)
+                output = await attempt.read()
                 while output is not grpc.aio.EOF:
                     relayed = True
                     yield migration.relayed(output)
                     if output.finish_reason:  # done: not waiting for the stream's end, which the caller
                         return  # may cancel as soon as it has this last message
-                    output = await _read(call, replica)
+                    output = await attempt.read()
                 return
             except ReplicaUnresponsive:  # hung (paused, partitioned): its health check failed while we waited
                 span.add_event("attempt failed", {"strata.router.replica": replica.name,
@@ -204,9 +244,7 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                     log.warning("request %s: replica %s refused or failed before its first output (%s); "
                                 "trying another", request.request_id, replica.name, error.code().name)
             finally:
-                if watch is not None:
-                    watch.cancel()
-                call.cancel()  # a client that left, or a relay cut short, frees the engine's blocks
+                attempt.close()  # a client that left, or a relay cut short, frees the engine's blocks
                 replica.in_flight -= 1
                 self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
             if failure is not None:  # outputs already went out: the request goes on elsewhere, or the client sees the cut
