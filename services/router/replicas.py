@@ -167,7 +167,9 @@ class ReplicaSet:
             return
         if not replica.healthy:
             log.info("engine replica %s (%s) is serving", replica.name, replica.address)
-            replica.healthy, replica.down_since, replica.unresponsive = True, None, asyncio.Event()
+            replica.healthy, replica.down_since = True, None
+            if replica.unresponsive.is_set():  # a new one; one never set stays, for whoever waits on it
+                replica.unresponsive = asyncio.Event()
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.replicas.values()))
