@@ -35,7 +35,8 @@ class Migration:
             output.usage.cached_prompt_tokens = self._cached_prompt_tokens
         else:
             self._cached_prompt_tokens = output.usage.cached_prompt_tokens
-        self.generated.extend(output.token_ids)
+        if self.limit:  # kept only where a continuation may need them
+            self.generated.extend(output.token_ids)
         return output
 
     def refusal(self) -> str | None:
