@@ -12,7 +12,6 @@ router) and by the router towards each engine replica, for requests whose trace 
 """
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import grpc
@@ -113,15 +112,17 @@ class SharedGenerateCall:
         self._id = request.request_id
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._done = False
-        self.last_delivery = time.monotonic()  # when an output (or error) last came for it
         owner.stream.send(request)
         owner.calls[self._id] = self
         owner.stream.join()
         self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
     def deliver(self, output: engine_pb2.GenerateResponse | Exception) -> None:
-        self.last_delivery = time.monotonic()
         self._outputs.put_nowait(output)
+
+    def pending(self) -> bool:
+        """Whether outputs came that were not read yet."""
+        return not self._outputs.empty()
 
     def __aiter__(self) -> "SharedGenerateCall":
         return self

@@ -88,12 +88,13 @@ class _Attempt:
         self.call.cancel()
 
     def _quiet_for(self) -> float:
-        """How much longer the stream may stay quiet before it is cut (0: now). On a shared stream an
-        output that came but was not read yet (the client reads slowly) counts as one."""
-        last = self.last_output
-        if last is not None and self._watch is not None:
-            last = max(last, self.call.last_delivery)
-        return 0.0 if last is None else max(0.0, last + _STALL_S - time.monotonic())
+        """How much longer the stream may stay quiet before it is cut (0: now). On a shared stream,
+        outputs that came but were not read yet (the client reads slowly) keep it from being quiet."""
+        if self.last_output is None:
+            return 0.0
+        if self._watch is not None and self.call.pending():
+            return _STALL_S
+        return max(0.0, self.last_output + _STALL_S - time.monotonic())
 
     def _hung(self) -> bool:
         """Whether the replica has failed its latest health check (a new, unset event once it recovers)."""
@@ -248,20 +249,26 @@ class RouterServicer(engine_pb2_grpc.EngineServicer):
                 replica.in_flight -= 1
                 self.metrics.in_flight.labels(replica.name).set(replica.in_flight)
             if failure is not None:  # outputs already went out: the request goes on elsewhere, or the client sees the cut
-                code, details = failure
-                cut = f"engine replica {replica.name} failed mid-stream ({details})"
-                refusal = migration.refusal() if code in _DOWN_ON else "not a replica failure"
-                if refusal is not None:
-                    why = f" (not continued elsewhere: {refusal})" if self.migration_limit else ""
-                    raise status_error(code, f"{cut}; the output is incomplete{why}")
-                request, attempts = migration.continuation(), 0
-                self.metrics.migrations.labels(replica.name).inc()
-                span.add_event("migrated", {"strata.router.replica": replica.name,
-                                            "strata.router.migration": migration.count,
-                                            "strata.router.tokens_relayed": len(migration.generated)})
-                log.warning("request %s: replica %s failed after %d tokens (%s); continuing it on another "
-                            "(migration %d of %d)", request.request_id, replica.name, len(migration.generated),
-                            code.name, migration.count, migration.limit)
+                cut = f"engine replica {replica.name} failed mid-stream ({failure[1]})"
+                request, attempts = self._continuation(migration, replica, *failure, cut), 0
+
+    def _continuation(self, migration: Migration, replica: Replica, code: grpc.StatusCode, details: str,
+                      cut: str) -> engine_pb2.GenerateRequest:
+        """The rest of a request whose replica failed after relaying outputs; raises the cut, for the
+        client to see, where the request does not migrate."""
+        refusal = migration.refusal() if code in _DOWN_ON else "not a replica failure"
+        if refusal is not None:
+            why = f" (not continued elsewhere: {refusal})" if self.migration_limit else ""
+            raise status_error(code, f"{cut}; the output is incomplete{why}")
+        rest = migration.continuation()
+        self.metrics.migrations.labels(replica.name).inc()
+        trace.get_current_span().add_event("migrated", {"strata.router.replica": replica.name,
+                                                        "strata.router.migration": migration.count,
+                                                        "strata.router.tokens_relayed": len(migration.generated)})
+        log.warning("request %s: replica %s failed after %d tokens (%s: %s); continuing it on another "
+                    "(migration %d of %d)", rest.request_id, replica.name, len(migration.generated), code.name,
+                    details, migration.count, migration.limit)
+        return rest
 
     async def Info(self, request, context) -> engine_pb2.EngineInfoResponse:
         known = [r for r in self.replicas.healthy() if r.info is not None]
