@@ -10,6 +10,7 @@ TOOLS = {
     "routing": ("services.bench.routing", "prefix-aware routing against round-robin, on replicas"),
     "structured": ("services.bench.structured", "JSON-schema-constrained streams against unconstrained ones"),
     "compare": ("services.bench.compare", "two result files side by side, with ratios"),
+    "kernels": ("services.bench.kernels", "the Triton attention kernels against torch's, on a GPU"),
     "llamacpp": ("services.bench.llamacpp", "build, convert for and start llama.cpp's server (the baseline)"),
 }
 

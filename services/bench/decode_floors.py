@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from services.bench.floor import layer_projection_params
+from services.bench.floor import layer_projection_params, timed
 from services.engine.config import EngineConfig
 from services.engine.models.config import ModelConfig
 
@@ -53,15 +53,17 @@ def projections(model) -> list[tuple[torch.nn.Module, int]]:
 
 
 def time_linear_floor(model, dtype: torch.dtype, repeats: int) -> float:
-    """Median seconds of running every projection of `model` once, on one row each."""
-    calls = [(module, torch.randn(1, width).to(dtype)) for module, width in projections(model)]
-    samples = []
+    """Median seconds of running every projection of `model` once, on one row each (on a GPU, the
+    projections' kernels launched back to back, timed to the last one's end)."""
+    device = model.model.embed_tokens.weight.device
+    calls = [(module, torch.randn(1, width, device=device).to(dtype)) for module, width in projections(model)]
+
+    def run_all() -> None:
+        for module, x in calls:
+            module(x)
+
     with torch.inference_mode():
-        for _ in range(repeats + 2):  # the first two warm up
-            started = time.perf_counter()
-            for module, x in calls:
-                module(x)
-            samples.append(time.perf_counter() - started)
+        samples = [timed(run_all, device) for _ in range(repeats + 2)]  # the first two warm up
     return statistics.median(samples[2:])
 
 

@@ -49,40 +49,50 @@ def workload_cost(mc: ModelConfig, element_bytes: int, prompt_lens: list[int], o
     return WorkloadCost(float(flops), float(kv_bytes_per_position * decode_positions))
 
 
-def measure_gemm_flops(mc: ModelConfig, dtype: torch.dtype, rows: int = 512, repeats: int = 5) -> float:
+def measure_gemm_flops(mc: ModelConfig, dtype: torch.dtype, rows: int = 512, repeats: int = 5,
+                       device: torch.device = torch.device("cpu")) -> float:
     """The best FLOP/s of the model's projections (gate/up and down) over ``rows`` tokens, run the way
     the engine runs them (prepacked on the CPU)."""
     best = 0.0
     for in_features, out_features in ((mc.hidden_size, 2 * mc.intermediate_size), (mc.intermediate_size, mc.hidden_size)):
-        weight = torch.randn(out_features, in_features).to(dtype)
-        x = torch.randn(rows, in_features).to(dtype)
+        weight = torch.randn(out_features, in_features, device=device).to(dtype)
+        x = torch.randn(rows, in_features, device=device).to(dtype)
         linear = PackedLinear(weight, None) if can_pack(x.device, dtype) else (lambda t, w=weight: F.linear(t, w))
         linear(x)  # warm-up
         for _ in range(repeats):
-            started = time.perf_counter()
-            linear(x)
-            best = max(best, 2 * rows * in_features * out_features / (time.perf_counter() - started))
+            seconds = timed(lambda: linear(x), device)
+            best = max(best, 2 * rows * in_features * out_features / seconds)
     return best
 
 
-def measure_read_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
-    """The best bytes/s of one pass summing a buffer far larger than the caches a core has to itself."""
-    buffer = torch.ones(num_bytes // 4)
+def timed(run, device: torch.device) -> float:
+    """Seconds ``run()`` takes, waiting for the device's queued work on both sides (on a GPU)."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    started = time.perf_counter()
+    run()
+    synchronize()
+    return time.perf_counter() - started
+
+
+def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5,
+                           device: torch.device = torch.device("cpu")) -> float:
+    """The best bytes/s of one pass summing a buffer far larger than the caches (512 MiB on the CPU,
+    4 GiB on a GPU, whose L2 holds tens of MB)."""
+    num_bytes = num_bytes or (4 << 30 if device.type == "cuda" else 512 << 20)
+    buffer = torch.ones(num_bytes // 4, device=device)
     buffer.sum()  # fault the pages in
-    best = 0.0
-    for _ in range(repeats):
-        started = time.perf_counter()
-        buffer.sum()
-        best = max(best, num_bytes / (time.perf_counter() - started))
+    best = max(num_bytes / timed(buffer.sum, device) for _ in range(repeats))
+    del buffer
     return best
 
 
 def run_floor(mc: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], output_lens: list[int],
-              bytes_per_s: float) -> dict[str, float]:
+              bytes_per_s: float, device: torch.device = torch.device("cpu")) -> dict[str, float]:
     """The floor as a run of the offline table: the workload's output tokens over the floor time, with
     reads at `bytes_per_s` (`measure_read_bandwidth`, measured once per run by the caller)."""
     cost = workload_cost(mc, torch.empty(0, dtype=dtype).element_size(), [len(p) for p in prompts], output_lens)
-    flops_per_s = measure_gemm_flops(mc, dtype)
+    flops_per_s = measure_gemm_flops(mc, dtype, device=device)
     seconds = cost.flops / flops_per_s + cost.kv_bytes / bytes_per_s
     return {"duration_s": seconds, "completed": len(prompts), "total_output_tokens": sum(output_lens),
             "output_throughput": sum(output_lens) / seconds, "tflops": cost.flops / 1e12,

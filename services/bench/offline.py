@@ -78,6 +78,7 @@ def run_strata(config, prompts, output_lens) -> dict[str, float]:
     from services.engine.sampling_params import SamplingParams
 
     llm = LLM(config)
+    llm.core.warmup()  # as a server starts: the compiled (CPU) or captured (CUDA) graphs, unless --enforce-eager
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, not counted
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     started = time.perf_counter()
@@ -90,12 +91,12 @@ def run_strata(config, prompts, output_lens) -> dict[str, float]:
             "num_preemptions": stats.num_preemptions}
 
 
-def _hf_model(model_dir: str, dtype: str):
+def _hf_model(model_dir: str, dtype: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, "auto")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     model.generation_config.eos_token_id = None  # every request runs to its length, as ignore_eos
     return model
 
@@ -106,7 +107,7 @@ def run_hf_batch1(model, prompts, output_lens) -> dict[str, float]:
     num_out, started = 0, time.perf_counter()
     with torch.inference_mode():
         for prompt, n in zip(prompts, output_lens):
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=model.device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                                  pad_token_id=0)
             num_out += out.shape[1] - len(prompt)
@@ -124,6 +125,7 @@ def run_hf_static(model, prompts, output_lens) -> dict[str, float]:
     for row, prompt in enumerate(prompts):  # left padding, as HF batching of decoder-only models wants
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     started = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(output_lens), pad_token_id=0)
@@ -147,6 +149,8 @@ def parse_step_dtypes(value: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     from services.bench.results import BenchResult, RunResult, save_result
     from services.engine.engine_args import config_from_args
 
@@ -157,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"strata bench offline: unknown baseline(s) {sorted(unknown)}")
     step_dtypes = parse_step_dtypes(args.step_dtypes)
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.model:
-            print(f"writing a random-weight '{args.shape}' Llama checkpoint ...", file=sys.stderr)
-            args.model = str(write_random_llama(Path(tmp) / args.shape, args.shape))
+        if not args.model:  # drawn on the engine's device, in its dtype (float32 for "auto")
+            dtype = "float32" if args.dtype == "auto" else args.dtype
+            print(f"writing a random-weight '{args.shape}' Llama checkpoint in {dtype} ...", file=sys.stderr)
+            args.model = str(write_random_llama(Path(tmp) / args.shape, args.shape, dtype=dtype, device=args.device))
         config = config_from_args(args)
+        device = torch.device(config.device)
         from services.engine.models.config import load_model_config
 
         model_config = load_model_config(config.model)
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                           metrics=run_strata(config, prompts, output_lens))]
         _print_progress(runs[-1])
         if {"hf-batch1", "hf-static"} & set(baselines):
-            model = _hf_model(config.model, config.dtype)
+            model = _hf_model(config.model, config.dtype, config.device)
             if "hf-batch1" in baselines:
                 k = min(args.hf_batch1_prompts, len(prompts))
                 runs.append(RunResult("hf-batch1", params={"num_prompts": k},
@@ -180,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(RunResult("hf-static", params={"batch_size": len(prompts)},
                                       metrics=run_hf_static(model, prompts, output_lens)))
                 _print_progress(runs[-1])
-        read_bytes_per_s = measure_read_bandwidth() if "floor" in baselines or step_dtypes else 0.0
+        read_bytes_per_s = measure_read_bandwidth(device=device) if "floor" in baselines or step_dtypes else 0.0
         if "floor" in baselines:
             runs.append(RunResult("floor", params={}, metrics=run_floor(
-                model_config, model_config.resolve_dtype(config.dtype), prompts, output_lens, read_bytes_per_s)))
+                model_config, model_config.resolve_dtype(config.dtype), prompts, output_lens, read_bytes_per_s,
+                device)))
         step_rows = run_decode_floors(config, step_dtypes, args.step_context, args.step_repeats, read_bytes_per_s)
     print(format_table(runs))
     floor = next((run.metrics for run in runs if run.label == "floor"), None)

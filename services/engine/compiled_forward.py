@@ -81,7 +81,8 @@ def use_inductor_cache_dir() -> None:
 def can_compile(device: torch.device, attention: AttentionBackend) -> bool:
     """Whether this engine compiles its small steps; says why not, once, when it cannot."""
     if device.type != "cpu" or attention.use_triton_kernels:
-        log.info("compiled decode graphs are CPU-only (CUDA graphs not captured yet): the model runs eager")
+        log.info("compiled decode graphs are CPU-only, and CUDA graphs need the triton attention backend: "
+                 "the model runs eager")
         return False
     if compiler() is None:
         log.warning("no C++ compiler found (g++, c++, clang++ or $CXX): decode steps run eager, "
@@ -93,6 +94,8 @@ def can_compile(device: torch.device, attention: AttentionBackend) -> bool:
 class DecodeGraphs:
     """The model forward compiled for each of ``buckets`` (token counts). ``capture`` compiles them
     all; ``run`` then executes a batch already padded to a bucket. Not thread-safe: one engine loop."""
+
+    decode_only = False  # small mixed steps run compiled too
 
     def __init__(self, forward: Forward, attention: AttentionBackend, buckets: Sequence[int]) -> None:
         self.buckets = tuple(sorted(set(buckets)))

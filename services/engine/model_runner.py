@@ -11,6 +11,7 @@ from services.engine.compiled_forward import DecodeGraphs, can_compile, default_
 from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import decode_forward
 from services.engine.cpu_kernels import linear as native_linear
+from services.engine.cuda_graphs import CudaGraphs
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
 from services.engine.models.packed_linear import NATIVE_MAX_ROWS
@@ -39,9 +40,10 @@ class ModelRunner:
     with compiled graphs one more block, the scratch block, takes the K/V of padding rows).
     It never modifies Request objects: the scheduler advances them from the returned tokens.
 
-    Unless ``enforce_eager``, ``warmup`` compiles the model forward for small steps (see
-    ``compiled_forward``); from then on a step of at most the largest bucket's tokens runs its
-    bucket's graph, padded, and any other step runs eager."""
+    Unless ``enforce_eager``, ``warmup`` compiles the model forward for small steps (on the CPU,
+    ``compiled_forward``) or captures it as CUDA graphs for decode steps (on a GPU, ``cuda_graphs``);
+    from then on such a step of at most the largest bucket's tokens runs its bucket's graph, padded,
+    and any other step runs eager."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -56,8 +58,7 @@ class ModelRunner:
                                                mc.head_dim, self.dtype, self.device, config.block_size)
         self.model = load_model(config.model, mc, self.attention, self.max_model_len, self.dtype, self.device)
         self.num_kv_blocks = self._decide_num_kv_blocks()
-        self.graphs = (None if config.enforce_eager or not can_compile(self.device, self.attention)
-                       else DecodeGraphs(self.model, self.attention, default_buckets(config.max_num_seqs)))
+        self.graphs = None if config.enforce_eager else self._decode_graphs()
         self.scratch_block = self.num_kv_blocks  # padding rows' K/V; only with graphs
         pool_shape = (self.num_kv_blocks + (self.graphs is not None), self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [(torch.zeros(pool_shape, dtype=self.dtype, device=self.device),
@@ -120,7 +121,8 @@ class ModelRunner:
             md = batch.metadata
             return batch.sample_requests, self.decode_step.logits(batch.input_ids, batch.positions, md.slot_mapping,
                                                                   md.block_tables, md.seq_lens, batch.sample_rows)
-        bucket = self.graphs.bucket_for(num_tokens) if self.is_captured else None
+        graphed = self.is_captured and (scheduler_output.one_token_each or not self.graphs.decode_only)
+        bucket = self.graphs.bucket_for(num_tokens) if graphed else None
         batch = self._prepare(scheduler_output.chunks, bucket - num_tokens if bucket else 0)
         hidden = self._forward(batch, compiled=bucket is not None)  # [T, H]
         return batch.sample_requests, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
@@ -129,6 +131,16 @@ class ModelRunner:
         metadata = self.attention.prepare(batch.metadata)
         forward = self.graphs.run if compiled else self.model
         return forward(batch.input_ids, batch.positions, self.kv_caches, metadata)
+
+    def _decode_graphs(self) -> DecodeGraphs | CudaGraphs | None:
+        """The graphs small steps run as, where this device and backend have them."""
+        buckets = default_buckets(self.config.max_num_seqs)
+        if self.device.type == "cuda" and self.attention.use_triton_kernels:
+            return CudaGraphs(self.model, self.attention, buckets, -(-self.max_model_len // self.block_size),
+                              self.device)
+        if not can_compile(self.device, self.attention):
+            return None
+        return DecodeGraphs(self.model, self.attention, buckets)
 
     def _native_decode_step(self) -> decode_forward.DecodeStep | None:
         """The whole decode step as one native call (``cpu_kernels/decode_forward``), where it can run."""
@@ -163,7 +175,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Compiles the graph of every bucket on a batch of padding rows only."""
+        """Compiles (or captures) the graph of every bucket on a batch of padding rows only."""
         try:
             self.graphs.capture(lambda bucket: self._forward(self._prepare([], bucket), compiled=True))
         except Exception:  # inductor fails in many ways (no headers, a compiler error...): stay correct

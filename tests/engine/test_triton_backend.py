@@ -21,12 +21,14 @@ NEW_TOKENS = 12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU the kernels run interpreted
 
 
-def hf_greedy(path, prompts):
+def hf_greedy(path, prompts, new_tokens: int | list[int] = NEW_TOKENS):
+    """HF's greedy tokens of each prompt, on the CPU in float32; ``new_tokens``: one count or one per prompt."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
     with torch.inference_mode():
         return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+                               do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                               pad_token_id=0)[0, len(p):].tolist() for p, n in zip(prompts, counts, strict=True)]
 
 
 @pytest.mark.parametrize("arch, overrides, block_size, chunk", [
