@@ -4,6 +4,8 @@ prefill chunks through the paged-prefill kernel, KV writes through the store ker
 SiLU-and-mul and rotary through theirs; with GQA, a sliding window, chunked prefill and prefixes
 served from the cache."""
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -55,7 +57,11 @@ def test_backend_choice():
     args = (4, 2, 16, torch.float32)
     assert type(get_attention_backend("auto", *args)).__name__ == "TorchAttentionBackend"  # the CPU
     assert type(get_attention_backend("auto", *args, device=torch.device("cuda"))).__name__ == "TritonAttentionBackend"
-    assert type(get_attention_backend("triton", *args)).__name__ == "TritonAttentionBackend"  # interpreted here
+    if os.environ.get("TRITON_INTERPRET") == "1":  # no GPU here (tests/conftest.py): the CPU interprets the kernels
+        assert type(get_attention_backend("triton", *args)).__name__ == "TritonAttentionBackend"
+    else:  # compiled kernels: a GPU's alone
+        with pytest.raises(ValueError, match="runs on CUDA"):
+            get_attention_backend("triton", *args)
     with pytest.raises(ValueError, match="power-of-two"):
         get_attention_backend("triton", *args, block_size=12)
     with pytest.raises(ValueError, match="not one of"):

@@ -37,13 +37,29 @@ def scattered_pools(num_heads, num_kv_heads, head_dim, block_size, seq_lens, dty
 @pytest.mark.slow  # a shape sweep, in the interpreter without a GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (4, 2, 32), (8, 2, 24)])
-@pytest.mark.parametrize("window", [None, 5, 20])
-def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, window):
-    q, k_cache, v_cache, tables, seq_lens = scattered_pools(heads, kv_heads, head_dim, 8, [1, 7, 8, 9, 30], dtype)
+@pytest.mark.parametrize("window", [None, 5, 20, 100])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, window, num_splits):
+    """Contexts of one position to several tiles, whole or split into runs combined afterwards (some
+    of them empty)."""
+    seq_lens = [1, 7, 8, 9, 30, 150]
+    q, k_cache, v_cache, tables, seq_lens = scattered_pools(heads, kv_heads, head_dim, 8, seq_lens, dtype)
     scale = head_dim ** -0.5
-    out = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window)
+    out = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window, num_splits=num_splits)
     expected = paged_decode_ref(q, k_cache, v_cache, tables, seq_lens, scale, window)
     torch.testing.assert_close(out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_splits_fill_the_gpu_and_are_powers_of_two():
+    from services.engine.kernels.paged_decode import MAX_SPLITS, num_splits_for
+
+    assert num_splits_for(1, 8, torch.device("cpu")) == 1
+    if DEVICE == "cuda":
+        assert num_splits_for(1, 8, torch.device("cuda")) == MAX_SPLITS  # 8 programs on 100+ multiprocessors
+        assert num_splits_for(512, 8, torch.device("cuda")) == 1
+    q, k_cache, v_cache, tables, seq_lens = scattered_pools(4, 2, 16, 8, [9], torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.25, num_splits=3)
 
 
 def test_paged_decode_reference_is_attention():

@@ -3,15 +3,19 @@ context in the block pool (the cached prefix and the chunk's own rows, which ``k
 first), causal and optionally windowed, flash-attention style (online softmax over K/V blocks, no
 copy of the cache, no padding across requests).
 
-One program per (request, query head, tile of ``BLOCK_M`` query rows); it reads only the blocks its
-rows can see. Its K/V tile is one cache block, so ``tl.dot`` needs ``block_size >= 16``.
+One program per (request, query head, tile of ``BLOCK_M`` query rows); it reads only the positions
+its rows can see, ``TILE_N`` at a time, gathered from the blocks they live in.
+
+Measured on an H200 (``strata bench kernels``, bfloat16, 32/8 heads of 128): with tiles of 16 rows
+against one 16-token block, the kernel ran at 54 TFLOP/s where torch's flash attention ran at 400.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
+BLOCK_M = 64
+TILE_N = 64
 
 
 @triton.jit
@@ -23,7 +27,7 @@ def _paged_prefill_kernel(
     stride_table_req,
     stride_out_token, stride_out_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     req = first_request + tl.program_id(0)
     head = tl.program_id(1)
@@ -49,15 +53,17 @@ def _paged_prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    slots = tl.arange(0, BLOCK_SIZE)
-    for b in range(kv_lo // BLOCK_SIZE, tl.cdiv(kv_hi, BLOCK_SIZE)):
-        block = tl.load(block_tables_ptr + req * stride_table_req + b).to(tl.int64)
-        k_pos = b * BLOCK_SIZE + slots
-        kv_offsets = (block * stride_cache_block + slots[:, None] * stride_cache_slot
+    offsets = tl.arange(0, TILE_N)
+    table = block_tables_ptr + req * stride_table_req
+    for t in range(kv_lo // TILE_N, tl.cdiv(kv_hi, TILE_N)):
+        k_pos = t * TILE_N + offsets
+        in_range = (k_pos < kv_hi) & (k_pos >= kv_lo)
+        block = tl.load(table + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        kv_offsets = (block[:, None] * stride_cache_block + (k_pos % BLOCK_SIZE)[:, None] * stride_cache_slot
                       + kv_head * stride_cache_head + d[None, :])
-        kv_mask = (k_pos < kv_hi)[:, None] & (d[None, :] < HEAD_DIM)
+        kv_mask = in_range[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [BLOCK_M, BLOCK_SIZE]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [BLOCK_M, TILE_N]
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_hi) & row_valid[:, None]
         visible = visible & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
@@ -94,6 +100,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, TILE_N=TILE_N,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
     )
