@@ -6,8 +6,10 @@ copy of the cache, no padding across requests).
 One program per (request, query head, tile of ``BLOCK_M`` query rows); it reads only the positions
 its rows can see, ``TILE_N`` at a time, gathered from the blocks they live in.
 
-Measured on an H200 (``strata bench kernels``, bfloat16, 32/8 heads of 128): with tiles of 16 rows
-against one 16-token block, the kernel ran at 54 TFLOP/s where torch's flash attention ran at 400.
+Measured on an H200 (``strata bench kernels``, bfloat16, 32/8 heads of 128, one request of 2048
+tokens): 140 TFLOP/s, where torch's flash attention over contiguous rows runs at 397 and this kernel
+with tiles of 16 rows against one 16-token block ran at 54. Each query head reads its KV head's tiles
+on its own (no GQA packing yet).
 """
 
 import torch
