@@ -101,8 +101,8 @@ void linear_into(const T* x, int64_t m, int64_t k, const void* blocked, int64_t 
       split.items(passes_of(m), 1, [&](int64_t pass) { pack_x_pass<P>(packed, x, m, k, k, k_pairs, 2, x_element, pass); });
       xp = packed;
     }
-    run_panels<PanelBF16>(xp, m, 2 * k_pairs, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs,
-                          n, store, split);
+    run_panels_bf16(xp, m, 2 * k_pairs, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs, n,
+                    store, split);
   }
 }
 

@@ -56,7 +56,7 @@ void linear_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t*
 #pragma omp parallel
     {
         ProgressSplit split(counters);
-        run_panels<PanelBF16>(x_packed.data(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store, split);
+        run_panels_bf16(x_packed.data(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store, split);
     }
 }
 

@@ -26,7 +26,7 @@ constexpr int kRowsPerPass = 8;
 constexpr int kPrefetchBytes = 1024;  // ahead of the current 64-byte line of the panel stream
 constexpr int kChains = 4;          // independent sums of a one-row panel (hides the FMA latency)
 constexpr int kPanelsPerGrab = 4;     // panels a thread takes at a time (contiguous, one stream to prefetch)
-constexpr int kGroupPanels = 3;       // float32 panels computed together from two rows up (panel_group_f32)
+constexpr int kGroupPanels = 3;       // panels computed together from two rows up (panel_group_f32, _bf16)
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = uint32_t(h) << 16;
@@ -284,6 +284,48 @@ void panel_bf16(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, 
 #endif
 }
 
+// As panel_bf16 for NP adjacent panels at once, as panel_group_f32 does for float32: each broadcast x
+// pair feeds NP dpbf16s instead of one (one panel at a time, the broadcasts bound the loop: 64 rows of
+// the small shape ran at ~250 GFLOP/s on a 2-core Zen 4 where float32's groups ran at ~168). Each
+// output's sum runs in panel_bf16's order: the same bits.
+template <int MR, int NP>
+void panel_group_bf16(const XElement* x_pass, const uint16_t* panel, int64_t panel_elems, int64_t k_pairs,
+                      float (*acc)[kPanel], const char* ahead = nullptr, int64_t ahead_lines = 0) {
+#if defined(__AVX512BF16__)
+    if constexpr (MR > 1) {
+        __m512 sum[NP][MR];
+        for (int j = 0; j < NP; ++j)
+            for (int i = 0; i < MR; ++i) sum[j][i] = _mm512_setzero_ps();
+        const int64_t every = ahead_lines > 0 ? std::max<int64_t>(1, k_pairs / ahead_lines) : k_pairs + 1;
+        int64_t countdown = every;
+        for (int64_t kp = 0; kp < k_pairs; ++kp) {
+            if (--countdown == 0 && ahead_lines > 0) {
+                _mm_prefetch(ahead, _MM_HINT_T1);
+                ahead += 64;
+                --ahead_lines;
+                countdown = every;
+            }
+            __m512bh w[NP];
+            for (int j = 0; j < NP; ++j) {
+                prefetch(panel + j * panel_elems + kp * 2 * kPanel);
+                w[j] = (__m512bh)_mm512_loadu_si512(panel + j * panel_elems + kp * 2 * kPanel);
+            }
+            for (int i = 0; i < MR; ++i) {
+                int32_t pair;
+                std::memcpy(&pair, x_pass + (kp * MR + i) * 2, 4);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int j = 0; j < NP; ++j) sum[j][i] = _mm512_dpbf16_ps(sum[j][i], xb, w[j]);
+            }
+        }
+        for (int j = 0; j < NP; ++j)
+            for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[j * kRowsPerPass + i], sum[j][i]);
+        return;
+    }
+#endif
+    (void)ahead, (void)ahead_lines;
+    for (int j = 0; j < NP; ++j) panel_bf16<MR>(x_pass, panel + j * panel_elems, k_pairs, acc + j * kRowsPerPass);
+}
+
 // Runs `panel_kernel<MR>` for a pass of `rows` (1..kRowsPerPass) rows.
 template <template <int> class PanelKernel, typename... Args>
 void dispatch_rows(int rows, Args... args) {
@@ -322,6 +364,17 @@ struct PanelBF16 {
     static void run(const XElement* x_pass, const uint16_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
         panel_bf16<MR>(x_pass, panel, k_pairs, acc);
     }
+};
+
+template <int NP>
+struct PanelGroupBF16 {
+    template <int MR>
+    struct Rows {
+        static void run(const XElement* x_pass, const uint16_t* panel, int64_t panel_elems, int64_t k_pairs,
+                        float (*acc)[kPanel], const char* ahead, int64_t ahead_lines) {
+            panel_group_bf16<MR, NP>(x_pass, panel, panel_elems, k_pairs, acc, ahead, ahead_lines);
+        }
+    };
 };
 
 inline int64_t passes_of(int64_t m) { return (m + kRowsPerPass - 1) / kRowsPerPass; }
@@ -382,11 +435,15 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
 // shapes 313-317 -> 329-348 GFLOP/s (oneDNN's prepacked weights 332-351 in the same runs), 24 rows
 // 292-294 -> 303-328; a 64-row float32 decode step of the small shape 14.0 -> 13.5-13.7 ms at a context
 // of 16, 31.4-31.7 -> 29.2-30.3 ms at 400.
-template <typename Store, typename Split>
-void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, const float* blocked,
-                    int64_t panel_elems, int64_t k, int64_t n, Store store, Split& split) {
+//
+// run_panel_groups is that loop for either dtype: PanelGroup<NP>::Rows<MR> the group kernel, Single<MR>
+// the one-row one, `k` the kernels' K steps (elements for float32, pairs for bfloat16).
+template <template <int> class PanelGroup, template <int> class Single, typename XT, typename WT, typename Store,
+          typename Split>
+void run_panel_groups(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* blocked, int64_t panel_elems,
+                      int64_t k, int64_t n, Store store, Split& split) {
     if (m == 1) {
-        run_panels<PanelF32>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store, split);
+        run_panels<Single>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store, split);
         return;
     }
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
@@ -396,23 +453,23 @@ void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, con
         alignas(64) float acc[kGroupPanels * kRowsPerPass][kPanel];
         const int64_t first_panel = kGroupPanels * group;
         const int panels = int(std::min<int64_t>(kGroupPanels, num_panels - first_panel));
-        const float* panel = blocked + first_panel * panel_elems;
+        const WT* panel = blocked + first_panel * panel_elems;
         // The group this thread takes next streams into L2 while this one computes, a share per pass.
         const int64_t next_first = kGroupPanels * next_group;
         const int64_t next_panels = next_group >= 0 ? std::min<int64_t>(kGroupPanels, num_panels - next_first) : 0;
-        const int64_t next_lines = next_panels * panel_elems * int64_t(sizeof(float)) / 64;
+        const int64_t next_lines = next_panels * panel_elems * int64_t(sizeof(WT)) / 64;
         const char* next = next_group >= 0 ? reinterpret_cast<const char*>(blocked + next_first * panel_elems) : nullptr;
         for (int64_t r0 = 0, pass = 0; r0 < m; r0 += kRowsPerPass, ++pass) {
             const int rows = int(std::min<int64_t>(kRowsPerPass, m - r0));
-            const float* x_pass = x_packed + r0 * x_pass_stride;
+            const XT* x_pass = x_packed + r0 * x_pass_stride;
             const char* ahead = next + next_lines * pass / passes * 64;
             const int64_t lines = next_lines * (pass + 1) / passes - next_lines * pass / passes;
             if (panels == 3)
-                dispatch_rows<PanelGroupF32<3>::Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
+                dispatch_rows<PanelGroup<3>::template Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
             else if (panels == 2)
-                dispatch_rows<PanelGroupF32<2>::Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
+                dispatch_rows<PanelGroup<2>::template Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
             else
-                dispatch_rows<PanelGroupF32<1>::Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
+                dispatch_rows<PanelGroup<1>::template Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
             for (int j = 0; j < panels; ++j) {
                 const int64_t first_out = (first_panel + j) * kPanel;
                 const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
@@ -420,6 +477,25 @@ void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, con
             }
         }
     });
+}
+
+template <typename Store, typename Split>
+void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, const float* blocked,
+                    int64_t panel_elems, int64_t k, int64_t n, Store store, Split& split) {
+    run_panel_groups<PanelGroupF32, PanelF32>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store, split);
+}
+
+// bfloat16 in groups of panels where the CPU multiplies bf16 pairs (panel_group_bf16); elsewhere one
+// panel at a time, as before (the AVX-512F and AVX2 paths convert each pair to float32).
+template <typename Store, typename Split>
+void run_panels_bf16(const XElement* x_packed, int64_t m, int64_t x_pass_stride, const uint16_t* blocked,
+                     int64_t panel_elems, int64_t k_pairs, int64_t n, Store store, Split& split) {
+#if defined(__AVX512BF16__)
+    run_panel_groups<PanelGroupBF16, PanelBF16>(x_packed, m, x_pass_stride, blocked, panel_elems, k_pairs, n, store,
+                                                split);
+#else
+    run_panels<PanelBF16>(x_packed, m, x_pass_stride, blocked, panel_elems, k_pairs, n, store, split);
+#endif
 }
 
 // ---- bfloat16 on AMX tiles ----
