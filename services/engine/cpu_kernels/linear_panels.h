@@ -167,6 +167,25 @@ void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[
 #endif
 }
 
+#ifdef __AVX512F__
+// `lines` 64-byte lines from `at` requested into L2 evenly over a loop of `steps` steps, one per call of
+// step() when its turn comes.
+struct SpreadPrefetch {
+    const char* at;
+    int64_t lines, every, countdown;
+    SpreadPrefetch(const char* at, int64_t lines, int64_t steps)
+        : at(at), lines(lines), every(lines > 0 ? std::max<int64_t>(1, steps / lines) : steps + 1), countdown(every) {}
+    void step() {
+        if (--countdown == 0 && lines > 0) {
+            _mm_prefetch(at, _MM_HINT_T1);
+            at += 64;
+            --lines;
+            countdown = every;
+        }
+    }
+};
+#endif
+
 // As panel_f32 for NP adjacent panels at once (each `panel_elems` after the one before), panel j's sums
 // in acc[j * kRowsPerPass + i]: each broadcast of x feeds NP FMAs and NP * MR independent sums hide the
 // FMA latency (8 rows x 3 panels: 11 loads per 24 FMAs, where one panel took 9 per 8). Each output's sum
@@ -181,15 +200,9 @@ void panel_group_f32(const float* x_pass, const float* panel, int64_t panel_elem
         __m512 sum[NP][MR];
         for (int j = 0; j < NP; ++j)
             for (int i = 0; i < MR; ++i) sum[j][i] = _mm512_setzero_ps();
-        const int64_t every = ahead_lines > 0 ? std::max<int64_t>(1, k / ahead_lines) : k + 1;
-        int64_t countdown = every;
+        SpreadPrefetch next(ahead, ahead_lines, k);
         for (int64_t kk = 0; kk < k; ++kk) {
-            if (--countdown == 0 && ahead_lines > 0) {
-                _mm_prefetch(ahead, _MM_HINT_T1);
-                ahead += 64;
-                --ahead_lines;
-                countdown = every;
-            }
+            next.step();
             __m512 w[NP];
             for (int j = 0; j < NP; ++j) {
                 prefetch(panel + j * panel_elems + kk * kPanel);
@@ -296,15 +309,9 @@ void panel_group_bf16(const XElement* x_pass, const uint16_t* panel, int64_t pan
         __m512 sum[NP][MR];
         for (int j = 0; j < NP; ++j)
             for (int i = 0; i < MR; ++i) sum[j][i] = _mm512_setzero_ps();
-        const int64_t every = ahead_lines > 0 ? std::max<int64_t>(1, k_pairs / ahead_lines) : k_pairs + 1;
-        int64_t countdown = every;
+        SpreadPrefetch next(ahead, ahead_lines, k_pairs);
         for (int64_t kp = 0; kp < k_pairs; ++kp) {
-            if (--countdown == 0 && ahead_lines > 0) {
-                _mm_prefetch(ahead, _MM_HINT_T1);
-                ahead += 64;
-                --ahead_lines;
-                countdown = every;
-            }
+            next.step();
             __m512bh w[NP];
             for (int j = 0; j < NP; ++j) {
                 prefetch(panel + j * panel_elems + kp * 2 * kPanel);
