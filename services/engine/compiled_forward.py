@@ -91,16 +91,29 @@ def can_compile(device: torch.device, attention: AttentionBackend) -> bool:
     return True
 
 
-class DecodeGraphs:
+class BucketedGraphs:
+    """What the CPU's compiled graphs and the GPU's CUDA graphs (``cuda_graphs``) share: the sorted
+    buckets (token counts) and the choice of one for a step."""
+
+    def __init__(self, buckets: Sequence[int]) -> None:
+        self.buckets = tuple(sorted(set(buckets)))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets must be positive token counts, got {buckets}")
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The smallest bucket that holds ``num_tokens``; None when the step is too large (eager)."""
+        i = bisect.bisect_left(self.buckets, num_tokens)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+
+class DecodeGraphs(BucketedGraphs):
     """The model forward compiled for each of ``buckets`` (token counts). ``capture`` compiles them
     all; ``run`` then executes a batch already padded to a bucket. Not thread-safe: one engine loop."""
 
     decode_only = False  # small mixed steps run compiled too
 
     def __init__(self, forward: Forward, attention: AttentionBackend, buckets: Sequence[int]) -> None:
-        self.buckets = tuple(sorted(set(buckets)))
-        if not self.buckets or self.buckets[0] < 1:
-            raise ValueError(f"buckets must be positive token counts, got {buckets}")
+        super().__init__(buckets)
         self.attention = attention
         import torch._dynamo
 
@@ -108,11 +121,6 @@ class DecodeGraphs:
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, _GRAPHS_PER_CODE_OBJECT)
         self._compiled = torch.compile(forward, fullgraph=True, dynamic=False)
-
-    def bucket_for(self, num_tokens: int) -> int | None:
-        """The smallest bucket that holds ``num_tokens``; None when the step is too large (eager)."""
-        i = bisect.bisect_left(self.buckets, num_tokens)
-        return self.buckets[i] if i < len(self.buckets) else None
 
     def capture(self, run_padding_step: Callable[[int], None]) -> None:
         """Compiles every bucket, largest first (so that the memory peak comes first), by calling

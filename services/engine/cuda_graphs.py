@@ -18,7 +18,6 @@ mixed steps run eager. The graphs of all buckets share one memory pool, captured
 output is valid until the next replay, which the model runner never interleaves.
 """
 
-import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,13 +25,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
+from services.engine.compiled_forward import BucketedGraphs
 
 log = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor, torch.Tensor, list, AttentionMetadata], torch.Tensor]
 
 
-class CudaGraphs:
+class CudaGraphs(BucketedGraphs):
     """``capture`` records a graph per bucket; ``run`` replays one for a decode batch already padded to a
     bucket. Same interface as ``compiled_forward.DecodeGraphs``. Not thread-safe: one engine loop."""
 
@@ -40,9 +40,7 @@ class CudaGraphs:
 
     def __init__(self, forward: Forward, attention: AttentionBackend, buckets: Sequence[int],
                  max_blocks_per_seq: int, device: torch.device) -> None:
-        self.buckets = tuple(sorted(set(buckets)))
-        if not self.buckets or self.buckets[0] < 1:
-            raise ValueError(f"buckets must be positive token counts, got {buckets}")
+        super().__init__(buckets)
         self.forward = forward
         self.attention = attention
         n = self.buckets[-1]
@@ -57,11 +55,6 @@ class CudaGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None  # the memory pool the graphs share
-
-    def bucket_for(self, num_tokens: int) -> int | None:
-        """The smallest bucket that holds ``num_tokens``; None when the step is too large (eager)."""
-        i = bisect.bisect_left(self.buckets, num_tokens)
-        return self.buckets[i] if i < len(self.buckets) else None
 
     def capture(self, run_padding_step: Callable[[int], None]) -> None:
         """Captures every bucket, largest first (its memory is the pool the smaller ones reuse), by
