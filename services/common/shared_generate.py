@@ -18,6 +18,7 @@ import grpc
 
 from services.common import error_details
 from services.common.errors import InvalidRequestError
+from services.common.inbox import Inbox
 from services.common.pb import engine_pb2
 from services.common.shared_stream import SharedStream, SharedStreams
 
@@ -110,7 +111,7 @@ class SharedGenerateCall:
     def __init__(self, owner: _GenerateStream, request: engine_pb2.GenerateRequest, timeout_s: float) -> None:
         self._owner = owner
         self._id = request.request_id
-        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._outputs: Inbox[engine_pb2.GenerateResponse | Exception] = Inbox()
         self._done = False
         owner.stream.send(request)
         owner.calls[self._id] = self
@@ -118,7 +119,7 @@ class SharedGenerateCall:
         self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
     def deliver(self, output: engine_pb2.GenerateResponse | Exception) -> None:
-        self._outputs.put_nowait(output)
+        self._outputs.put(output)
 
     def pending(self) -> bool:
         """Whether outputs came that were not read yet."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from services.common.inbox import Inbox
 from services.common.pb import engine_pb2, tokenizer_pb2
 from services.common.shared_stream import in_sampled_trace
 from services.gateway import errors, genai_span
@@ -194,7 +195,7 @@ class FanOut:
 
     def __init__(self, upstream: Upstream, specs: list[ChoiceSpec], params: GenerationParams,
                  eos_token_ids: frozenset[int]) -> None:
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: Inbox = Inbox()
         self._tasks = [asyncio.create_task(self._pump(run_choice(upstream, spec, params, eos_token_ids)))
                        for spec in specs]
         self._remaining = len(self._tasks)
@@ -204,11 +205,11 @@ class FanOut:
     async def _pump(self, steps: AsyncIterator[Step]) -> None:
         try:
             async for step in steps:
-                self._queue.put_nowait(step)
+                self._queue.put(step)
         except Exception as error:  # handed to the consumer, which raises it
-            self._queue.put_nowait(error)
+            self._queue.put(error)
         finally:
-            self._queue.put_nowait(self._DONE)
+            self._queue.put(self._DONE)
 
     def __aiter__(self) -> "FanOut":
         return self

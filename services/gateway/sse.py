@@ -11,8 +11,12 @@ MEDIA_TYPE = "text/event-stream"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# one encoder for every event: json.dumps with options of its own builds a new encoder per call
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _ENCODER.encode(payload).encode() + b"\n\n"
 
 
 def error_events(error: OpenAIError) -> list[bytes]:
