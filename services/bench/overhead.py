@@ -315,7 +315,29 @@ def _run(args) -> int:
     if names:
         per_token = {name: statistics.median(p.stack_cpu_s[name] / max(p.stack.tokens, 1) * 1e3 for p in pairs)
                      for name in names}
+        clients_ms, engine_ms = median_ms('client_cpu_s', 'stack'), median_ms('engine_cpu_s', 'engine')
         print("stack CPU per output token: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in per_token.items())
-              + f" (sum {sum(per_token.values()):.3f} ms); clients {median_ms('client_cpu_s', 'stack'):.3f} ms; "
-              f"in-process engine {median_ms('engine_cpu_s', 'engine'):.3f} ms")
+              + f" (sum {sum(per_token.values()):.3f} ms); clients {clients_ms:.3f} ms; "
+              f"in-process engine {engine_ms:.3f} ms")
+        beside_ms = sum(ms for name, ms in per_token.items() if name != "engine") + clients_ms
+        if engine_fills_the_cores(config):
+            bound = sharing_bound(engine_ms, beside_ms)
+            print(f"cores shared: the other processes and the clients took {beside_ms:.3f} ms of CPU per token beside "
+                  f"the engine's {engine_ms:.3f} ms, on cores its threads fill: the stack can reach at most "
+                  f"{bound:.2f}x of the in-process tok/s and at best {1 / bound:.2f}x its TPOT")
     return 1 if failed else 0
+
+
+def engine_fills_the_cores(config) -> bool:
+    """Whether the engine's kernel threads (may) run on every core this process may use, so that the
+    stack's other processes take their CPU from the engine's."""
+    from services.engine.threads import resolve_num_threads, usable_cores
+
+    return config.device == "cpu" and resolve_num_threads(config.num_threads, os.environ) >= usable_cores()
+
+
+def sharing_bound(engine_ms: float, beside_ms: float) -> float:
+    """The most of its in-process rate an engine whose threads fill the cores keeps when other processes
+    need ``beside_ms`` of CPU per token on the same cores, where it alone needs ``engine_ms``: every
+    millisecond they run is one the engine does not (a ceiling: preemption costs more)."""
+    return engine_ms / (engine_ms + beside_ms) if engine_ms > 0 else float("nan")

@@ -29,6 +29,17 @@ def test_pairs_alternate_and_the_median_ratio_is_reported(capsys):
     per_process = dict(re.findall(r"(\w+) ([\d.]+) ms", cpu))
     assert set(per_process) == {"tokenizer", "engine", "gateway"}, cpu
     assert float(per_process["engine"]) > 0  # the engine computed every token
+    for bound, tpot_bound in re.findall(r"^cores shared: .* at most ([\d.]+)x of the in-process tok/s and at best "
+                                        r"([\d.]+)x its TPOT$", out, re.MULTILINE):
+        assert 0 < float(bound) <= 1 <= float(tpot_bound)
+
+
+def test_the_sharing_bound_is_the_engines_share_of_the_cpu():
+    from services.bench.overhead import sharing_bound
+
+    # 64 streams on 2 cores: the engine 1.2 ms per token in-process, gateway + tokenizer + clients 0.13
+    assert sharing_bound(1.2, 0.13) == pytest.approx(1.2 / 1.33)
+    assert sharing_bound(4.0, 0.0) == 1.0
 
 
 def test_repeats_below_one_are_refused():
