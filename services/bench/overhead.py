@@ -25,7 +25,10 @@ between the phases shows in the ratios.
 Where the stack's time goes: the CPU each of its processes (engine, gateway, tokenizer) spent per
 generated token during the stack runs, from /proc (Linux), median over the pairs; beside it the
 clients' (this process during the stack runs) and the in-process engine's. On a machine whose cores
-the engine's threads fill, the other processes' CPU is about what the engine's steps lose.
+the engine's threads fill, the other processes' CPU is about what the engine's steps lose: the last
+line turns it into the stack's expected rate, in-process engine CPU over that plus the others'
+(gateway, tokenizer, clients) per token. Measured ratios land near it: above where the engine's idle
+threads spin (at one stream), below where preemption costs more than the CPU taken.
 """
 
 import argparse
@@ -323,8 +326,8 @@ def _run(args) -> int:
         if engine_fills_the_cores(config):
             bound = sharing_bound(engine_ms, beside_ms)
             print(f"cores shared: the other processes and the clients took {beside_ms:.3f} ms of CPU per token beside "
-                  f"the engine's {engine_ms:.3f} ms, on cores its threads fill: the stack can reach at most "
-                  f"{bound:.2f}x of the in-process tok/s and at best {1 / bound:.2f}x its TPOT")
+                  f"the engine's {engine_ms:.3f} ms, on cores its threads fill: were all of the engine's CPU work, "
+                  f"the stack would keep {bound:.2f}x of the in-process tok/s ({1 / bound:.2f}x its TPOT)")
     return 1 if failed else 0
 
 
@@ -337,7 +340,9 @@ def engine_fills_the_cores(config) -> bool:
 
 
 def sharing_bound(engine_ms: float, beside_ms: float) -> float:
-    """The most of its in-process rate an engine whose threads fill the cores keeps when other processes
-    need ``beside_ms`` of CPU per token on the same cores, where it alone needs ``engine_ms``: every
-    millisecond they run is one the engine does not (a ceiling: preemption costs more)."""
+    """What an engine whose threads fill the cores keeps of its in-process rate when other processes need
+    ``beside_ms`` of CPU per token on the same cores, where it alone spends ``engine_ms``, if every
+    millisecond they run is one the engine does not. Its idle threads' spinning is CPU it spends without
+    working, which the others take at no cost (the stack can do better); a thread taken away in the
+    middle of a phase holds the others up (worse)."""
     return engine_ms / (engine_ms + beside_ms) if engine_ms > 0 else float("nan")
