@@ -324,10 +324,10 @@ def _run(args) -> int:
               f"in-process engine {engine_ms:.3f} ms")
         beside_ms = sum(ms for name, ms in per_token.items() if name != "engine") + clients_ms
         if engine_fills_the_cores(config):
-            bound = sharing_bound(engine_ms, beside_ms)
+            rate = shared_cores_rate(engine_ms, beside_ms)
             print(f"cores shared: the other processes and the clients took {beside_ms:.3f} ms of CPU per token beside "
                   f"the engine's {engine_ms:.3f} ms, on cores its threads fill: were all of the engine's CPU work, "
-                  f"the stack would keep {bound:.2f}x of the in-process tok/s ({1 / bound:.2f}x its TPOT)")
+                  f"the stack would keep {rate:.2f}x of the in-process tok/s ({1 / rate:.2f}x its TPOT)")
     return 1 if failed else 0
 
 
@@ -339,7 +339,7 @@ def engine_fills_the_cores(config) -> bool:
     return config.device == "cpu" and resolve_num_threads(config.num_threads, os.environ) >= usable_cores()
 
 
-def sharing_bound(engine_ms: float, beside_ms: float) -> float:
+def shared_cores_rate(engine_ms: float, beside_ms: float) -> float:
     """What an engine whose threads fill the cores keeps of its in-process rate when other processes need
     ``beside_ms`` of CPU per token on the same cores, where it alone spends ``engine_ms``, if every
     millisecond they run is one the engine does not. Its idle threads' spinning is CPU it spends without

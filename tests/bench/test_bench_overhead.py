@@ -36,12 +36,12 @@ def test_pairs_alternate_and_the_median_ratio_is_reported(capsys):
     assert 0 < float(bound) <= 1 <= float(tpot_bound)
 
 
-def test_the_sharing_bound_is_the_engines_share_of_the_cpu():
-    from services.bench.overhead import sharing_bound
+def test_the_shared_cores_rate_is_the_engines_share_of_the_cpu():
+    from services.bench.overhead import shared_cores_rate
 
     # 64 streams on 2 cores: the engine 1.2 ms per token in-process, gateway + tokenizer + clients 0.13
-    assert sharing_bound(1.2, 0.13) == pytest.approx(1.2 / 1.33)
-    assert sharing_bound(4.0, 0.0) == 1.0
+    assert shared_cores_rate(1.2, 0.13) == pytest.approx(1.2 / 1.33)
+    assert shared_cores_rate(4.0, 0.0) == 1.0
 
 
 def test_repeats_below_one_are_refused():
