@@ -4,7 +4,8 @@ Order, as in vLLM: raw logits → (logprobs of the raw distribution) → min_tok
 repetition, frequency and presence penalties → logit_bias → the structured-output mask (tokens that
 would break a request's constraint) → greedy argmax, or temperature → min_p →
 top_k → top_p → a draw. A draw takes one uniform number per request (inverse transform sampling,
-``inverse_cdf.py``), and a request with a seed takes it only from its own ``torch.Generator``: the
+``inverse_cdf.py``; rows that set only a temperature, on the CPU, in one native call,
+``cpu_kernels/sampling.py``), and a request with a seed takes it only from its own ``torch.Generator``: the
 same seed gives the same tokens alone or in any batch. The sampler owns those generators, keyed by
 request id; the engine calls ``free(request_id)`` when a request finishes.
 """
@@ -12,6 +13,7 @@ request id; the engine calls ``free(request_id)`` when a request finishes.
 import numpy as np
 import torch
 
+from services.engine.cpu_kernels import sampling
 from services.engine.inverse_cdf import inverse_cdf_draw
 from services.engine.request import Request
 from services.engine.scheduler_output import SampledLogprobs
@@ -108,7 +110,7 @@ class Sampler:
             return greedy_tokens(logits)
         rows = None if len(random_rows) == len(params) else torch.tensor(random_rows, device=self.device)
         chosen = [params[i] for i in random_rows]
-        probs = self.probabilities(logits if rows is None else logits.index_select(0, rows), chosen)  # [m, vocab]
+        sampled = logits if rows is None else logits.index_select(0, rows)  # [m, vocab]
         uniforms = torch.empty(len(chosen), dtype=torch.float64, device=self.device)
         unseeded = [j for j, p in enumerate(chosen) if p.seed is None]
         if unseeded:
@@ -118,7 +120,10 @@ class Sampler:
             if p.seed is not None:
                 uniforms[j] = torch.rand(1, dtype=torch.float64, device=self.device,
                                          generator=self._request_generator(requests[random_rows[j]]))[0]
-        drawn = inverse_cdf_draw(probs, uniforms)
+        if all(p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0 for p in chosen) and sampling.can_run(sampled):
+            drawn = sampling.sample_temperature(sampled, [p.temperature for p in chosen], uniforms)  # one native call
+        else:
+            drawn = inverse_cdf_draw(self.probabilities(sampled, chosen), uniforms)
         return drawn if rows is None else greedy_tokens(logits).index_copy(0, rows, drawn)
 
     def probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
