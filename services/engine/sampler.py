@@ -33,6 +33,8 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)  # requests without a seed
         self.request_generators: dict[str, torch.Generator] = {}
+        if self.device.type == "cpu":
+            sampling.is_available()  # built now, not at the first sampled request
 
     def free(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)

@@ -29,11 +29,16 @@ def _kernel():
     return load_function("sampling.cpp", "strata_sample_temperature", [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr])
 
 
+def is_available() -> bool:
+    """Whether the library is built here (building it on first use: call it at start-up)."""
+    return _kernel() is not None
+
+
 def can_run(logits: torch.Tensor) -> bool:
     """Whether ``sample_temperature`` takes these logits: ``[rows, vocab]`` float32 on the CPU, unit stride
     along the vocabulary, the library built here."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(1) == 1 and _kernel() is not None)
+            and logits.stride(1) == 1 and is_available())
 
 
 def sample_temperature(logits: torch.Tensor, temperatures: list[float], uniforms: torch.Tensor) -> torch.Tensor:
