@@ -4,7 +4,7 @@ Order, as in vLLM: raw logits → (logprobs of the raw distribution) → min_tok
 repetition, frequency and presence penalties → logit_bias → the structured-output mask (tokens that
 would break a request's constraint) → greedy argmax, or temperature → min_p →
 top_k → top_p → a draw. A draw takes one uniform number per request (inverse transform sampling,
-``inverse_cdf.py``; rows that set only a temperature, on the CPU, in one native call,
+``inverse_cdf.py``; on the CPU, temperature, the filters and the draw in one native call,
 ``cpu_kernels/sampling.py``), and a request with a seed takes it only from its own ``torch.Generator``: the
 same seed gives the same tokens alone or in any batch. The sampler owns those generators, keyed by
 request id; the engine calls ``free(request_id)`` when a request finishes.
@@ -122,8 +122,9 @@ class Sampler:
             if p.seed is not None:
                 uniforms[j] = torch.rand(1, dtype=torch.float64, device=self.device,
                                          generator=self._request_generator(requests[random_rows[j]]))[0]
-        if all(p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0 for p in chosen) and sampling.can_run(sampled):
-            drawn = sampling.sample_temperature(sampled, [p.temperature for p in chosen], uniforms)  # one native call
+        if sampling.can_run(sampled):  # one native call
+            drawn = sampling.sample(sampled, uniforms, [p.temperature for p in chosen], [p.top_k for p in chosen],
+                                    [p.top_p for p in chosen], [p.min_p for p in chosen])
         else:
             drawn = inverse_cdf_draw(self.probabilities(sampled, chosen), uniforms)
         return drawn if rows is None else greedy_tokens(logits).index_copy(0, rows, drawn)

@@ -1,15 +1,24 @@
-// Temperature sampling on the CPU: per row, the weights exp(logit / T - max / T) and one inverse-CDF
-// draw from them (the token whose running sum first passes u x the row's mass), as the torch path of
-// sampler.py and inverse_cdf.py computes it with about 25 operator calls (see sampling.py).
+// Sampling on the CPU: per row, the weights exp(logit / T - max / T), the min_p, top_k and top_p filters
+// on them, and one inverse-CDF draw (the token whose running sum first passes u x the row's mass), as the
+// torch path of sampler.py and inverse_cdf.py computes it with dozens of operator calls and, for top_k
+// and top_p, a sort of the whole vocabulary (see sampling.py).
 //
-// Per row: a pass for the max, a pass for the weights (kept in a thread-local buffer) with their float64
-// sums per block of kBlock tokens, then a walk over the block sums to the block the target falls in and
-// a walk inside it. Rows are independent: a row draws the same token in any batch.
+// Per row: a pass for the max, a pass for the weights (kept in a thread-local buffer); min_p zeroes the
+// weights below min_p (a probability below min_p x the largest); top_k and top_p keep a leading run of the
+// tokens in descending weight, found without sorting the vocabulary: a histogram of the weights' bit
+// patterns (positive floats order as their bits) picks the one bucket where the run ends, and only that
+// bucket's tokens are sorted. Then the float64 sums per block of kBlock tokens, a walk over them to the
+// block the target falls in and a walk inside it. Rows are independent: a row draws the same token in
+// any batch.
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "paged_decode_kernels.h"  // exp_nonpositive, lanes (AVX-512); exp_nonpositive8 (AVX2)
@@ -51,27 +60,114 @@ int64_t argmax(const float* x, int64_t n) {
   return best;
 }
 
-int64_t sample_row(const float* logits, int64_t vocab, float temperature, double uniform, std::vector<float>& weights,
-                   std::vector<double>& block_sums) {
-  float top = -std::numeric_limits<float>::infinity();
-  bool has_nan = false;
-  for (int64_t i = 0; i < vocab; ++i) {
-    top = std::max(top, logits[i]);
-    has_nan |= std::isnan(logits[i]);
+struct Scratch {
+  std::vector<float> weights;
+  std::vector<double> block_sums;
+  std::vector<uint32_t> counts;
+  std::vector<double> masses;
+  std::vector<int64_t> group, gathered;
+};
+
+inline uint32_t bits_of(float w) {
+  uint32_t b;
+  std::memcpy(&b, &w, sizeof b);
+  return b;
+}
+
+// Buckets of the leading run's search: a weight's bits 30..19 (its exponent and 4 bits of mantissa), then
+// inside the bucket where the run ends, its bits 18..7 when that bucket holds more than kSortDirectly.
+constexpr int kBucketBits = 12;
+constexpr int kShifts[2] = {19, 7};
+constexpr size_t kSortDirectly = 2048;
+
+// Zeroes all but the leading run of the positive weights taken in descending order (equal weights: the
+// lower index first). `make_stop(total)`, given the float64 mass of the positive weights, returns
+// `stop(count_before, mass_before)`: true at the first token to drop, given how many tokens come before
+// it and their mass; it must stay true once true.
+template <typename MakeStop>
+void keep_leading_run(float* w, int64_t n, MakeStop make_stop, Scratch& s) {
+  const uint32_t num_buckets = 1u << kBucketBits, bucket_mask = num_buckets - 1;
+  int64_t count_before = 0;
+  double mass_before = 0.0, total = 0.0;
+  s.group.clear();  // the tokens of the bucket the run ends in, once found
+  for (int level = 0; level < 2; ++level) {
+    const int shift = kShifts[level];
+    s.counts.assign(num_buckets, 0);
+    s.masses.assign(num_buckets, 0.0);
+    auto tally = [&](int64_t i) {
+      const uint32_t b = (bits_of(w[i]) >> shift) & bucket_mask;
+      ++s.counts[b];
+      s.masses[b] += w[i];
+    };
+    if (level == 0) {
+      for (int64_t i = 0; i < n; ++i)
+        if (w[i] > 0.0f) tally(i);
+    } else {
+      for (int64_t i : s.group) tally(i);
+    }
+    if (level == 0) total = std::accumulate(s.masses.begin(), s.masses.end(), 0.0);
+    const auto stop = make_stop(total);
+    int64_t end = -1;  // the bucket the run ends in
+    for (int64_t b = num_buckets - 1; b >= 0; --b) {
+      if (!s.counts[b]) continue;
+      if (stop(count_before + s.counts[b], mass_before + s.masses[b])) {
+        end = b;
+        break;
+      }
+      count_before += s.counts[b];
+      mass_before += s.masses[b];
+    }
+    if (end < 0) return;  // the run holds every token left
+    // Drop the tokens of the buckets below `end`, and gather those of `end`.
+    s.gathered.clear();
+    auto sort_out = [&](int64_t i) {
+      const int64_t b = (bits_of(w[i]) >> shift) & bucket_mask;
+      if (b < end) w[i] = 0.0f;
+      else if (b == end) s.gathered.push_back(i);
+    };
+    if (level == 0) {
+      for (int64_t i = 0; i < n; ++i)
+        if (w[i] > 0.0f) sort_out(i);
+    } else {
+      for (int64_t i : s.group) sort_out(i);
+    }
+    s.group.swap(s.gathered);
+    if (s.group.size() <= kSortDirectly) break;
   }
-  if (has_nan || !std::isfinite(top)) return argmax(logits, vocab);  // no mass to draw from (or -inf everywhere)
-  weights.resize(vocab);
-  shifted_exp(logits, vocab, temperature, top / temperature, weights.data());
+  // The run ends inside `group` (in ascending index order): sort it, keep its tokens up to the first stop.
+  std::stable_sort(s.group.begin(), s.group.end(), [w](int64_t a, int64_t b) { return w[a] > w[b]; });
+  const auto stop = make_stop(total);
+  bool dropping = false;
+  for (int64_t i : s.group) {
+    dropping = dropping || stop(count_before, mass_before);
+    if (dropping) {
+      w[i] = 0.0f;
+      continue;
+    }
+    ++count_before;
+    mass_before += w[i];
+  }
+}
+
+struct Filters {
+  float temperature;
+  int64_t top_k;  // 0: off
+  float top_p;    // 1: off
+  float min_p;    // 0: off
+};
+
+// The draw from weights w (zero where a token cannot be drawn), or -1 where they have no finite positive mass.
+int64_t draw(const float* w, int64_t vocab, double uniform, std::vector<double>& block_sums) {
   const int64_t num_blocks = (vocab + kBlock - 1) / kBlock;
   block_sums.resize(num_blocks);
   double total = 0.0;
   for (int64_t b = 0; b < num_blocks; ++b) {
     double sum = 0.0;
-    for (int64_t i = b * kBlock; i < std::min(vocab, (b + 1) * kBlock); ++i) sum += weights[i];
+    for (int64_t i = b * kBlock; i < std::min(vocab, (b + 1) * kBlock); ++i) sum += w[i];
     block_sums[b] = sum;
     total += sum;
   }
-  if (!(total > 0.0) || !std::isfinite(total)) return argmax(logits, vocab);
+  if (!(total > 0.0) || !std::isfinite(total)) return -1;
   // The walk adds the same float64 sums in the same order as `total`, so a target below the total is
   // passed inside some block, at a token of positive weight.
   const double target = uniform * total;
@@ -85,31 +181,63 @@ int64_t sample_row(const float* logits, int64_t vocab, float temperature, double
     }
     double inside = 0.0;
     for (int64_t i = b * kBlock; i < std::min(vocab, (b + 1) * kBlock); ++i) {
-      inside += weights[i];
+      inside += w[i];
       if (running + inside > target) return i;
     }
   }
   // a target rounded up to the total: the last token of positive weight, never one of weight 0
   for (int64_t i = std::min(vocab, (last_block + 1) * kBlock) - 1; i > last_block * kBlock; --i)
-    if (weights[i] > 0.0f) return i;
+    if (w[i] > 0.0f) return i;
   return last_block * kBlock;
+}
+
+int64_t sample_row(const float* logits, int64_t vocab, const Filters& f, double uniform, Scratch& s) {
+  float top = -std::numeric_limits<float>::infinity();
+  bool has_nan = false;
+  for (int64_t i = 0; i < vocab; ++i) {
+    top = std::max(top, logits[i]);
+    has_nan |= std::isnan(logits[i]);
+  }
+  if (has_nan || !std::isfinite(top)) return argmax(logits, vocab);  // no mass to draw from (or -inf everywhere)
+  s.weights.resize(vocab);
+  float* w = s.weights.data();
+  shifted_exp(logits, vocab, f.temperature, top / f.temperature, w);  // the largest weighs 1
+  if (f.min_p > 0.0f) {  // probability < min_p x the largest probability: weight < min_p
+    const float floor = f.min_p;
+    for (int64_t i = 0; i < vocab; ++i) w[i] = w[i] < floor ? 0.0f : w[i];
+  }
+  if (f.top_k > 0 && f.top_k < vocab) {
+    const int64_t k = f.top_k;
+    keep_leading_run(w, vocab, [k](double) { return [k](int64_t count_before, double) { return count_before >= k; }; }, s);
+  }
+  if (f.top_p < 1.0f) {  // keep a token while the mass before it is below top_p of the mass left
+    const double top_p = f.top_p;
+    keep_leading_run(w, vocab, [top_p](double total) {
+      return [limit = top_p * total](int64_t, double mass_before) { return mass_before >= limit; };
+    }, s);
+  }
+  const int64_t token = draw(w, vocab, uniform, s.block_sums);
+  return token >= 0 ? token : argmax(logits, vocab);
 }
 
 }  // namespace
 
 extern "C" {
 
-// logits: [rows, vocab] float32, row stride `stride`; temperatures: [rows] (> 0); uniforms: [rows] in
-// [0, 1); out: [rows] token ids.
-void strata_sample_temperature(const float* logits, int64_t rows, int64_t vocab, int64_t stride,
-                               const float* temperatures, const double* uniforms, int64_t* out) {
+// logits: [rows, vocab] float32, row stride `stride`; per row a temperature (> 0), top_k (0: off), top_p
+// (in (0, 1]; 1: off), min_p (in [0, 1]; 0: off) and a uniform in [0, 1); out: [rows] token ids. A null
+// top_ks, top_ps or min_ps turns that filter off for every row.
+void strata_sample(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperatures,
+                   const int64_t* top_ks, const float* top_ps, const float* min_ps, const double* uniforms,
+                   int64_t* out) {
 #pragma omp parallel if (rows > 1 && rows * vocab >= (1 << 16))
   {
-    static thread_local std::vector<float> weights;
-    static thread_local std::vector<double> block_sums;
-#pragma omp for schedule(static)
+    static thread_local Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < rows; ++r)
-      out[r] = sample_row(logits + r * stride, vocab, temperatures[r], uniforms[r], weights, block_sums);
+      out[r] = sample_row(logits + r * stride, vocab,
+                          {temperatures[r], top_ks ? top_ks[r] : 0, top_ps ? top_ps[r] : 1.0f, min_ps ? min_ps[r] : 0.0f},
+                          uniforms[r], scratch);
   }
 }
 

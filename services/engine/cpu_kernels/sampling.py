@@ -1,21 +1,25 @@
-"""Temperature sampling of a batch of rows as one native call (``sampling.cpp``).
+"""Sampling a batch of rows as one native call (``sampling.cpp``): temperature, min_p, top_k, top_p and
+the draw.
 
-The sampler's torch path (``sampler.py``: temperature, softmax, then ``inverse_cdf.py``'s draw) is about
-25 operator calls per step whatever the batch, ~0.2 ms at one row of a 4,096-token vocabulary on
-2 cores, a tenth of a small model's decode step at one stream; and its passes over the rows with
-temporaries between them cost 24 ms for 64 rows of Llama 3's 128,256 tokens. Here each row is three
-passes on OpenMP's threads: its max, its weights exp(logit / T - max / T) with their float64 sums per
-block, and the walk to the token where the running sum passes u x the row's mass. Draws follow the
-same distribution as the torch path's and, like it, take one uniform per row: a seeded request draws
-the same tokens alone or in any batch. A row without a finite positive mass (all -inf, or a NaN) gets
-its argmax, and a token of weight 0 is never drawn.
+The sampler's torch path (``sampler.py``: temperature, softmax, the masks, then ``inverse_cdf.py``'s
+draw) is about 25 operator calls per step whatever the batch, ~0.2 ms at one row of a 4,096-token
+vocabulary on 2 cores, a tenth of a small model's decode step at one stream; its passes over the rows
+with temporaries between them cost 24 ms for 64 rows of Llama 3's 128,256 tokens; and top_k or top_p
+sort every row's whole vocabulary: 105 ms for 64 rows of 32,000 tokens, 440 ms of 128,256. Here each
+row is a few passes on OpenMP's threads: its max, its weights exp(logit / T - max / T); min_p zeroes
+the weights below min_p; top_k and top_p keep the leading run of the weights in descending order, found
+from a histogram of the weights with only the bucket where the run ends sorted; then the walk to the
+token where the running float64 sum passes u x the row's mass. Draws follow the same distribution as
+the torch path's and, like it, take one uniform per row: a seeded request draws the same tokens alone
+or in any batch. A row without a finite positive mass (all -inf, or a NaN) gets its argmax, and a token
+of weight 0 is never drawn.
 
-It serves rows that only set a temperature (no top_k, top_p or min_p, as OpenAI's defaults), float32
-logits on the CPU, where the library is built (``can_run``).
+It takes float32 logits on the CPU where the library is built (``can_run``).
 """
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -26,7 +30,8 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 @functools.cache
 def _kernel():
-    return load_function("sampling.cpp", "strata_sample_temperature", [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr])
+    return load_function("sampling.cpp", "strata_sample",
+                         [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr])
 
 
 def is_available() -> bool:
@@ -35,23 +40,42 @@ def is_available() -> bool:
 
 
 def can_run(logits: torch.Tensor) -> bool:
-    """Whether ``sample_temperature`` takes these logits: ``[rows, vocab]`` float32 on the CPU, unit stride
-    along the vocabulary, the library built here."""
+    """Whether ``sample`` takes these logits: ``[rows, vocab]`` float32 on the CPU, unit stride along the
+    vocabulary, the library built here."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.stride(1) == 1 and is_available())
 
 
-def sample_temperature(logits: torch.Tensor, temperatures: list[float], uniforms: torch.Tensor) -> torch.Tensor:
-    """``logits [m, vocab]`` (see ``can_run``), a temperature > 0 and a uniform in [0, 1) (float64) per row
-    → ``[m]`` int64 token ids, row i drawn from softmax(logits[i] / temperatures[i])."""
+def sample(logits: torch.Tensor, uniforms: torch.Tensor, temperatures: Sequence[float],
+           top_ks: Sequence[int] | None = None, top_ps: Sequence[float] | None = None,
+           min_ps: Sequence[float] | None = None) -> torch.Tensor:
+    """``logits [m, vocab]`` (see ``can_run``), a uniform in [0, 1) (float64) and a temperature > 0 per row,
+    and optionally per row a top_k (0: off), top_p (in (0, 1]; 1: off) and min_p (in [0, 1]; 0: off)
+    → ``[m]`` int64 token ids, row i drawn from softmax(logits[i] / temperatures[i]) restricted, in this
+    order, to the tokens of probability at least min_p x the largest, the top_k most likely of those, and
+    the smallest run of those, most likely first, whose mass reaches top_p."""
     rows = logits.shape[0]
-    if len(temperatures) != rows or uniforms.shape != (rows,):
-        raise ValueError(f"sample_temperature: {rows} rows, {len(temperatures)} temperatures, uniforms "
-                         f"{tuple(uniforms.shape)}")
+    columns = {"temperatures": temperatures, "top_ks": top_ks, "top_ps": top_ps, "min_ps": min_ps}
+    wrong = [f"{len(values)} {name}" for name, values in columns.items() if values is not None and len(values) != rows]
+    if uniforms.shape != (rows,):
+        wrong.append(f"uniforms of shape {tuple(uniforms.shape)}")
+    if wrong:
+        raise ValueError(f"sample: {rows} rows, but {', '.join(wrong)}")
     temperature = torch.tensor(temperatures, dtype=torch.float32)
+    top_k = _column(top_ks, 0, torch.int64)  # None: the filter is off for every row
+    top_p = _column(top_ps, 1.0, torch.float32)
+    min_p = _column(min_ps, 0.0, torch.float32)
     uniforms = uniforms.to(torch.float64).contiguous()
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
         _kernel()(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), temperature.data_ptr(),
+                  *(None if column is None else column.data_ptr() for column in (top_k, top_p, min_p)),
                   uniforms.data_ptr(), out.data_ptr())
     return out
+
+
+def _column(values: Sequence | None, off, dtype: torch.dtype) -> torch.Tensor | None:
+    """``values`` as a tensor, or None where there are none or every one is ``off``."""
+    if values is None or all(value == off for value in values):
+        return None
+    return torch.tensor(values, dtype=dtype)
