@@ -99,7 +99,7 @@ def run_decode_floors(config: EngineConfig, dtypes: list[str], context: int, ste
     mc = load_model_config(config.model)
     rows = []
     for name in dtypes:
-        dtype = mc.resolve_dtype(name)
+        dtype = mc.resolve_dtype(name, config.device)
         step_s, model = time_decode_step(dataclasses.replace(config, dtype=name), context, steps)
         linear_s = time_linear_floor(model, dtype, steps)
         del model

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         read_bytes_per_s = measure_read_bandwidth(device=device) if "floor" in baselines or step_dtypes else 0.0
         if "floor" in baselines:
             runs.append(RunResult("floor", params={}, metrics=run_floor(
-                model_config, model_config.resolve_dtype(config.dtype), prompts, output_lens, read_bytes_per_s,
+                model_config, model_config.resolve_dtype(config.dtype, device), prompts, output_lens, read_bytes_per_s,
                 device)))
         step_rows = run_decode_floors(config, step_dtypes, args.step_context, args.step_repeats, read_bytes_per_s)
     print(format_table(runs))

@@ -26,8 +26,8 @@ def flag(default, help: str, **argparse_kwargs) -> field:
 class EngineConfig:
     # a Hugging Face checkpoint directory; the flag's default, None, is the built-in model
     model: str = field(metadata={"help": "Hugging Face checkpoint directory (default: the built-in default model)"})
-    dtype: str = flag("auto", "weights dtype; auto takes the checkpoint's (float32 when it names none) "
-                              "(default: %(default)s)", choices=DTYPES)
+    dtype: str = flag("auto", "weights dtype; auto takes the checkpoint's (float32 when it names none; on the "
+                              "CPU, bfloat16 for a float16 one) (default: %(default)s)", choices=DTYPES)
     device: str = flag("cpu", "cpu or cuda[:N] (default: %(default)s)")
     block_size: int = flag(16, "tokens per KV block (default: %(default)s)")
     num_kv_blocks: int | None = flag(None, "KV blocks in the pool (default: from --kv-cache-memory-bytes)")

@@ -49,7 +49,7 @@ class ModelRunner:
         self.config = config
         self.model_config = mc = load_model_config(config.model)
         self.device = torch.device(config.device)
-        self.dtype = mc.resolve_dtype(config.dtype)
+        self.dtype = mc.resolve_dtype(config.dtype, self.device)
         if not config.enforce_eager:
             use_inductor_cache_dir()
         self.max_model_len = mc.resolve_max_model_len(config.max_model_len)

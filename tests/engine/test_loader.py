@@ -108,11 +108,18 @@ def test_sharded_load_fuses_projections(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_a_float16_checkpoint_runs_in_bfloat16_on_the_cpu_unless_asked(tmp_path):
+    config = load_model_config(write_checkpoint(tmp_path, "llama", dtype=torch.float16))
+    assert config.resolve_dtype("auto", "cpu") == torch.bfloat16  # the native CPU kernels' 16-bit type
+    assert config.resolve_dtype("auto", "cuda:0") == torch.float16
+    assert config.resolve_dtype("float16", "cpu") == torch.float16
+
+
 def test_dtypes(tmp_path):
     path = write_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
     config = load_model_config(path)
-    assert config.resolve_dtype("auto") == torch.bfloat16
-    assert config.resolve_dtype("float16") == torch.float16
+    assert config.resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert config.resolve_dtype("float16", "cpu") == torch.float16
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).state_dict()
     model = load(path, torch.float32)  # upcast on load
     assert all(p.dtype == torch.float32 for p in model.parameters())
