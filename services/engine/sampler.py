@@ -10,6 +10,8 @@ same seed gives the same tokens alone or in any batch. The sampler owns those ge
 request id; the engine calls ``free(request_id)`` when a request finishes.
 """
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -89,15 +91,23 @@ class Sampler:
         logits = logits.clone()
         for row, token_ids in banned.items():
             logits[row, token_ids] = float("-inf")
+        # The penalties touch only the logits of tokens that occurred, not every row's whole vocabulary (64
+        # rows of 32,000 tokens: 17 ms for a repetition penalty that way). A token that occurred n times is
+        # n entries of (row, token id): writing the same value n times changes it once (repetition,
+        # presence); adding n times adds n times (frequency).
         if any(p.repetition_penalty != 1.0 for p in params):
-            penalty = self._column([p.repetition_penalty for p in params])  # [n, 1]
-            seen = _token_counts(requests, self.vocab_size, self.device, include_prompt=True) > 0
-            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-            logits = torch.where(seen, penalized, logits)
+            rows, token_ids = self._occurrences(requests, include_prompt=True)
+            penalty = self._values([p.repetition_penalty for p in params])[rows]
+            seen = logits[rows, token_ids]
+            logits[rows, token_ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
         if any(p.frequency_penalty or p.presence_penalty for p in params):
-            counts = _token_counts(requests, self.vocab_size, self.device, include_prompt=False)
-            logits -= self._column([p.frequency_penalty for p in params]) * counts
-            logits -= self._column([p.presence_penalty for p in params]) * (counts > 0)
+            rows, token_ids = self._occurrences(requests, include_prompt=False)
+            if any(p.frequency_penalty for p in params):
+                frequency = self._values([p.frequency_penalty for p in params])[rows]
+                logits.index_put_((rows, token_ids), -frequency, accumulate=True)
+            if any(p.presence_penalty for p in params):
+                presence = self._values([p.presence_penalty for p in params])[rows]
+                logits[rows, token_ids] = logits[rows, token_ids] - presence
         for row, p in enumerate(params):
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias.keys()), device=self.device)
@@ -176,20 +186,18 @@ class Sampler:
         return out
 
     def _column(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)  # [n, 1]
+        return self._values(values).unsqueeze(1)  # [n, 1]
 
+    def _values(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)  # [n]
 
-def _token_counts(requests: list[Request], vocab_size: int, device: torch.device, include_prompt: bool) -> torch.Tensor:
-    """``[n, vocab]`` occurrence counts of each row's output tokens (and prompt tokens when asked),
-    scattered from one padded token tensor; the padding goes to an extra column that is dropped."""
-    token_lists = [r.all_token_ids if include_prompt else r.output_token_ids for r in requests]
-    width = max((len(t) for t in token_lists), default=0)
-    padded = np.full((len(requests), max(width, 1)), vocab_size, dtype=np.int64)
-    for row, tokens in enumerate(token_lists):
-        padded[row, :len(tokens)] = tokens
-    counts = torch.zeros(len(requests), vocab_size + 1, device=device)
-    counts.scatter_add_(1, torch.from_numpy(padded).to(device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab_size]
+    def _occurrences(self, requests: list[Request], include_prompt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' output tokens (and prompt tokens when asked) as (row, token id) pairs, one per occurrence."""
+        token_lists = [r.all_token_ids if include_prompt else r.output_token_ids for r in requests]
+        lengths = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
+        token_ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, int(lengths.sum()))
+        rows = np.repeat(np.arange(len(token_lists), dtype=np.int64), lengths)
+        return torch.from_numpy(rows).to(self.device), torch.from_numpy(token_ids).to(self.device)
 
 
 def _stop_tokens_before_min(requests: list[Request]) -> dict[int, list[int]]:

@@ -114,6 +114,34 @@ def test_penalties_and_logit_bias_change_logits_exactly():
     assert sampler(logits, [request(temperature=0.0, logit_bias={4: 10.0})])[0] == [4]
 
 
+def test_penalties_over_a_batch_match_their_definition_on_every_logit():
+    """Each row's penalties as OpenAI and vLLM define them, computed densely over the vocabulary here:
+    repetition once per token seen in the prompt or output (divide a positive logit, multiply a
+    negative one), frequency times each output token's count, presence once per output token."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 50, 6
+    logits = torch.randn(rows, vocab, generator=generator) * 2
+    logits[0, 7] = float("-inf")
+    requests = []
+    for i in range(rows):
+        prompt = torch.randint(0, vocab, (30,), generator=generator).tolist()
+        output = torch.randint(0, 12, (i * 7,), generator=generator).tolist()  # many repeats
+        requests.append(request(f"r{i}", prompt=prompt, output=output, repetition_penalty=[1.0, 1.3, 0.8][i % 3],
+                                frequency_penalty=[0.0, 0.4, -0.3][(i // 3) % 3] * (i % 2),
+                                presence_penalty=[0.5, 0.0, 1.2][i % 3]))
+    expected = logits.clone()
+    for row, r in enumerate(requests):
+        p = r.sampling_params
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[r.all_token_ids] = True
+        penalized = torch.where(expected[row] > 0, expected[row] / p.repetition_penalty,
+                                expected[row] * p.repetition_penalty)
+        expected[row] = torch.where(seen, penalized, expected[row])
+        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.int64), minlength=vocab).float()
+        expected[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    torch.testing.assert_close(Sampler(vocab, torch.device("cpu")).process_logits(logits, requests), expected)
+
+
 @pytest.mark.parametrize("params, copies", [(dict(temperature=0.0), False), (dict(temperature=0.8, top_k=3), False),
                                             (dict(temperature=0.0, min_tokens=3), True),
                                             (dict(temperature=0.0, logit_bias={4: 9.0}), True),
