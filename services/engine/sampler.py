@@ -1,6 +1,6 @@
 """Batched sampling for the requests that sample in a step.
 
-Order, as in vLLM: raw logits → (logprobs of the raw distribution) → min_tokens eos/stop mask →
+Order, as in vLLM: raw logits (whose distribution the logprobs report) → min_tokens eos/stop mask →
 repetition, frequency and presence penalties → logit_bias → the structured-output mask (tokens that
 would break a request's constraint) → greedy argmax, or temperature → min_p →
 top_k → top_p → a draw. A draw takes one uniform number per request (inverse transform sampling,
@@ -65,9 +65,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], masks: StepMasks | None
                 ) -> tuple[list[int], list[SampledLogprobs | None]]:
         params = [r.sampling_params for r in requests]
-        raw_logprobs = None
-        if any(p.logprobs is not None for p in params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw = logits  # the logprobs are the raw distribution's: the caller's logits stay as they came
         processed = self.process_logits(logits, requests)
         if masks is not None:
             if processed is logits:  # the caller's logits stay as they came (a failed step samples them again)
@@ -76,9 +74,9 @@ class Sampler:
         logits = processed
         tokens = self._draw(logits, requests)
         token_list = tokens.tolist()
-        if raw_logprobs is None:
+        if all(p.logprobs is None for p in params):
             return token_list, [None] * len(requests)
-        return token_list, self._logprobs(raw_logprobs, tokens, params)
+        return token_list, self._logprobs(raw, tokens, params)
 
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Penalties, logit bias and the min_tokens mask, in a new tensor; ``logits`` itself when none
@@ -170,19 +168,28 @@ class Sampler:
             self.request_generators[request.request_id] = generator
         return generator
 
-    def _logprobs(self, raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list) -> list[SampledLogprobs | None]:
-        token_logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1))  # [n, 1]
-        ranks = ((raw_logprobs > token_logprobs).sum(dim=-1) + 1).tolist()
-        max_top = max(p.logprobs or 0 for p in params)
-        top_values, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
-        out = []
-        for row, p in enumerate(params):
-            if p.logprobs is None:
-                out.append(None)
-                continue
-            top = [] if not p.logprobs else list(zip(top_ids[row, :p.logprobs].tolist(),
-                                                     top_values[row, :p.logprobs].tolist(), strict=True))
-            out.append(SampledLogprobs(int(tokens[row]), float(token_logprobs[row]), ranks[row], top))
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, params: list) -> list[SampledLogprobs | None]:
+        """The rows that asked for logprobs: their token's log-probability under the raw logits, its rank
+        and the top alternatives (on the CPU in one native call, ``cpu_kernels/sampling.py``)."""
+        asking = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if len(asking) < len(params):
+            index = torch.tensor(asking, device=self.device)
+            logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+        max_top = max(params[row].logprobs for row in asking)
+        if sampling.can_run(logits):
+            token_logprobs, ranks, top_ids, top_values = sampling.logprobs(logits, tokens, max_top)
+        else:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            token_logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            ranks = (raw_logprobs > token_logprobs.unsqueeze(1)).sum(dim=-1) + 1
+            top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
+        token_logprobs, ranks, tokens = token_logprobs.tolist(), ranks.tolist(), tokens.tolist()
+        top_ids, top_values = top_ids.tolist(), top_values.tolist()
+        out: list[SampledLogprobs | None] = [None] * len(params)
+        for i, row in enumerate(asking):
+            k = params[row].logprobs
+            out[row] = SampledLogprobs(tokens[i], token_logprobs[i], ranks[i],
+                                       list(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
         return out
 
     def _column(self, values: list[float]) -> torch.Tensor:

@@ -3,7 +3,8 @@ token from the same uniform (but where a uniform lands within rounding of a boun
 min_p, top_k and top_p; the same frequencies; never a token of weight 0 or one the filters drop (checked
 against a float64 reference that sorts the vocabulary, also where the run a filter keeps ends among
 thousands of nearly equal or exactly equal weights); the argmax for a row without mass; the same draw for
-a row alone or in any batch; and the engine's sampler taking it for every sampled row on the CPU."""
+a row alone or in any batch; the engine's sampler taking it for every sampled row on the CPU; and the
+native logprobs (log-probability, rank, top alternatives) against a float64 log_softmax."""
 
 import pytest
 import torch
@@ -159,6 +160,46 @@ def test_a_row_draws_the_same_token_alone_or_in_a_batch():
 def test_rows_and_values_must_match():
     with pytest.raises(ValueError, match="2 rows, but 1 top_ks"):
         sampling.sample(torch.zeros(2, 8), torch.zeros(2, dtype=torch.float64), [1.0, 1.0], top_ks=[3])
+
+
+@pytest.mark.parametrize("vocab", [5, 4096 + 3, 32000])
+def test_logprobs_ranks_and_top_match_log_softmax(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(40, vocab, generator=generator) * 4
+    logits[:, ::7] = float("-inf")
+    logits[3] = 0.5  # every logit equal: rank 1, the top k the lowest ids
+    tokens = torch.randint(0, vocab, (40,), generator=generator)
+    k = min(vocab, 6)
+    token_logprobs, ranks, top_ids, top_values = sampling.logprobs(logits, tokens, k)
+    reference = logits.double().log_softmax(dim=-1)
+    expected = reference.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(token_logprobs.double(), expected, rtol=1e-6, atol=1e-6)  # -inf where masked
+    assert ranks.tolist() == ((logits > logits.gather(1, tokens.unsqueeze(1))).sum(dim=-1) + 1).tolist()
+    torch.testing.assert_close(top_values.double(), reference.topk(k, dim=-1).values, rtol=1e-6, atol=1e-6)
+    assert (reference.gather(1, top_ids) == reference.topk(k, dim=-1).values).all()
+    assert ranks[3] == 1 and top_ids[3].tolist() == list(range(k))
+
+
+def test_logprobs_of_a_row_without_mass_are_nan_as_log_softmax():
+    logits = torch.tensor([[float("-inf")] * 4, [0.0, float("nan"), 1.0, 2.0]])
+    token_logprobs, _, _, top_values = sampling.logprobs(logits, torch.tensor([1, 2]), 2)
+    assert token_logprobs.isnan().all() and top_values.isnan().all()
+
+
+def test_the_samplers_logprobs_are_the_same_on_the_torch_path(monkeypatch):
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=generator)
+    requests = [_Request(f"r{i}", SamplingParams(temperature=0.0, logprobs=[None, 0, 3, 5][i])) for i in range(4)]
+    native_tokens, native_logprobs = Sampler(300, torch.device("cpu"))(logits, requests)
+    monkeypatch.setattr(sampling, "can_run", lambda _: False)
+    tokens, logprobs = Sampler(300, torch.device("cpu"))(logits, requests)
+    assert tokens == native_tokens and logprobs[0] is None is native_logprobs[0]
+    for ours, theirs in zip(native_logprobs[1:], logprobs[1:]):
+        assert (ours.token_id, ours.rank) == (theirs.token_id, theirs.rank)
+        assert [i for i, _ in ours.top] == [i for i, _ in theirs.top]
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-5)
+        assert [v for _, v in ours.top] == pytest.approx([v for _, v in theirs.top], abs=1e-5)
+    assert [len(lp.top) for lp in logprobs[1:]] == [0, 3, 5]
 
 
 class _Request:

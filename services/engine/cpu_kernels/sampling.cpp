@@ -220,6 +220,51 @@ int64_t sample_row(const float* logits, int64_t vocab, const Filters& f, double 
   return token >= 0 ? token : argmax(logits, vocab);
 }
 
+// A row's log-probabilities where it asked for them: log softmax(x) at `token` (x[token] - logZ, logZ =
+// max + log sum exp(x - max) summed in float64), the token's rank (1 + how many logits exceed its own) and
+// the k largest log-probabilities, most likely first (equal ones: the lower id first). A row with a NaN
+// gets NaN log-probabilities, as torch's log_softmax.
+void row_logprobs(const float* x, int64_t vocab, int64_t token, int64_t k, std::vector<float>& weights,
+                  float* token_logprob, int64_t* rank, int64_t* top_ids, float* top_logprobs) {
+  float top = -std::numeric_limits<float>::infinity();
+  bool has_nan = false;
+  for (int64_t i = 0; i < vocab; ++i) {
+    top = std::max(top, x[i]);
+    has_nan |= std::isnan(x[i]);
+  }
+  double log_z = std::numeric_limits<double>::quiet_NaN();  // NaN rows, and rows of -inf only (0 / 0)
+  if (!has_nan && std::isfinite(top)) {
+    weights.resize(vocab);
+    shifted_exp(x, vocab, 1.0f, top, weights.data());
+    double sums[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t i = 0;
+    for (; i + 4 <= vocab; i += 4)
+      for (int j = 0; j < 4; ++j) sums[j] += weights[i + j];
+    for (; i < vocab; ++i) sums[0] += weights[i];
+    log_z = top + std::log((sums[0] + sums[1]) + (sums[2] + sums[3]));
+  }
+  const float own = x[token];
+  *token_logprob = static_cast<float>(own - log_z);
+  int64_t above = 0;
+  for (int64_t i = 0; i < vocab; ++i) above += x[i] > own;
+  *rank = above + 1;
+  // the k largest, kept sorted (ids and values in top_ids / top_logprobs, values raw until the end)
+  int64_t held = 0;
+  for (int64_t i = 0; i < vocab && k > 0; ++i) {
+    const float v = x[i];
+    if (held == k && !(v > top_logprobs[k - 1])) continue;
+    int64_t at = held < k ? held++ : k - 1;
+    while (at > 0 && v > top_logprobs[at - 1]) {
+      top_logprobs[at] = top_logprobs[at - 1];
+      top_ids[at] = top_ids[at - 1];
+      --at;
+    }
+    top_logprobs[at] = v;
+    top_ids[at] = i;
+  }
+  for (int64_t j = 0; j < held; ++j) top_logprobs[j] = static_cast<float>(top_logprobs[j] - log_z);
+}
+
 }  // namespace
 
 extern "C" {
@@ -238,6 +283,20 @@ void strata_sample(const float* logits, int64_t rows, int64_t vocab, int64_t str
       out[r] = sample_row(logits + r * stride, vocab,
                           {temperatures[r], top_ks ? top_ks[r] : 0, top_ps ? top_ps[r] : 1.0f, min_ps ? min_ps[r] : 0.0f},
                           uniforms[r], scratch);
+  }
+}
+
+// logits: [rows, vocab] float32, row stride `stride`; tokens: [rows]; k <= vocab. Out: token_logprobs
+// [rows], ranks [rows], top_ids [rows, k], top_logprobs [rows, k].
+void strata_logprobs(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const int64_t* tokens,
+                     int64_t k, float* token_logprobs, int64_t* ranks, int64_t* top_ids, float* top_logprobs) {
+#pragma omp parallel if (rows > 1 && rows * vocab >= (1 << 16))
+  {
+    static thread_local std::vector<float> weights;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+      row_logprobs(logits + r * stride, vocab, tokens[r], k, weights, token_logprobs + r, ranks + r,
+                   top_ids + r * k, top_logprobs + r * k);
   }
 }
 
