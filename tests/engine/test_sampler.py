@@ -35,14 +35,20 @@ def test_greedy_and_top_k_1_are_argmax():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tokens_pick_what_argmax_picks_among_ties_nan_and_minus_inf(dtype):
+@pytest.mark.parametrize("vocab", [8192, 8192 + 7])
+def test_greedy_tokens_pick_what_argmax_picks_among_ties_nan_and_minus_inf(dtype, vocab):
     torch.manual_seed(0)
-    logits = torch.randint(0, 3, (64, 8192)).to(dtype)  # every row has thousands of tied maxima
+    logits = torch.randint(0, 3, (64, vocab)).to(dtype)  # every row has thousands of tied maxima
     logits[5, 100] = float("nan")
     logits[7] = float("-inf")
     logits[9, -1] = 5.0
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
-    assert greedy_tokens(logits)[[5, 7, 9]].tolist() == [100, 0, 8191]
+    assert greedy_tokens(logits)[[5, 7, 9]].tolist() == [100, 0, vocab - 1]
+    logits[11, 3] = float("nan")  # NaN after the first maximum still wins
+    logits[12, :] = -1.0
+    logits[12, -1] = float("inf")
+    assert greedy_tokens(logits)[[11, 12]].tolist() == [3, vocab - 1]
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
 
 
 def test_seeded_request_draws_the_same_alone_and_in_a_batch_of_32():

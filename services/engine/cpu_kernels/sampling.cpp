@@ -60,6 +60,28 @@ int64_t argmax(const float* x, int64_t n) {
   return best;
 }
 
+// The same index as `argmax`: on AVX-512 a pass for the max (and whether any NaN), then one for its first index.
+int64_t argmax_fast(const float* x, int64_t n) {
+#ifdef STRATA_AVX512
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan_seen = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = lanes(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+    nan_seen |= _mm512_mask_cmp_ps_mask(mask, v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_max_ps(best, mask, best, v);
+  }
+  if (nan_seen) return argmax(x, n);
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = lanes(n - i);
+    const __mmask16 equal = _mm512_mask_cmp_ps_mask(mask, _mm512_maskz_loadu_ps(mask, x + i), top, _CMP_EQ_OQ);
+    if (equal) return i + __builtin_ctz(equal);
+  }
+#endif
+  return argmax(x, n);
+}
+
 struct Scratch {
   std::vector<float> weights;
   std::vector<double> block_sums;
@@ -298,6 +320,13 @@ void strata_logprobs(const float* logits, int64_t rows, int64_t vocab, int64_t s
       row_logprobs(logits + r * stride, vocab, tokens[r], k, weights, token_logprobs + r, ranks + r,
                    top_ids + r * k, top_logprobs + r * k);
   }
+}
+
+// logits: [rows, vocab] float32, row stride `stride` -> out: [rows], each row's argmax as torch.argmax picks it
+// (the first NaN, else the first of the largest).
+void strata_argmax(const float* logits, int64_t rows, int64_t vocab, int64_t stride, int64_t* out) {
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * vocab >= (1 << 18))
+  for (int64_t r = 0; r < rows; ++r) out[r] = argmax_fast(logits + r * stride, vocab);
 }
 
 }  // extern "C"

@@ -1,5 +1,6 @@
 """Sampling a batch of rows as one native call (``sampling.cpp``): temperature, min_p, top_k, top_p and
-the draw; and the sampled tokens' log-probabilities, ranks and top alternatives (``logprobs``).
+the draw; greedy rows' argmax; and the sampled tokens' log-probabilities, ranks and top alternatives
+(``logprobs``).
 
 The sampler's torch path (``sampler.py``: temperature, softmax, the masks, then ``inverse_cdf.py``'s
 draw) is about 25 operator calls per step whatever the batch, ~0.2 ms at one row of a 4,096-token
@@ -32,6 +33,11 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 def _kernel():
     return load_function("sampling.cpp", "strata_sample",
                          [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr])
+
+
+@functools.cache
+def _argmax_kernel():
+    return load_function("sampling.cpp", "strata_argmax", [_ptr, _i64, _i64, _i64, _ptr])
 
 
 @functools.cache
@@ -84,6 +90,15 @@ def _column(values: Sequence | None, off, dtype: torch.dtype) -> torch.Tensor | 
     if values is None or all(value == off for value in values):
         return None
     return torch.tensor(values, dtype=dtype)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [m, vocab]`` (see ``can_run``) → ``[m]`` int64, each row's index as ``torch.argmax`` picks
+    it: the first NaN, else the first of the largest."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[0]:
+        _argmax_kernel()(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
+    return out
 
 
 def logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
