@@ -32,7 +32,6 @@ threads spin (at one stream), below where preemption costs more than the CPU tak
 """
 
 import argparse
-import asyncio
 import gc
 import os
 import random
@@ -44,6 +43,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+import uvloop
 
 from services.bench.checkpoints import SHAPES, write_random_llama
 
@@ -281,8 +282,8 @@ def _run(args) -> int:
     def streamed(running, prompts, output_lens) -> tuple[Run, int, dict[str, float], float]:
         gc.collect()
         before, started_cpu = cpu_seconds(running), time.process_time()
-        stack, failed = asyncio.run(_stream_all(running.base_url, "bench", prompts, output_lens,
-                                                args.max_concurrency))
+        stack, failed = uvloop.run(_stream_all(running.base_url, "bench", prompts, output_lens,
+                                               args.max_concurrency))
         after, client_cpu_s = cpu_seconds(running), time.process_time() - started_cpu
         return stack, failed, {name: after[name] - before[name] for name in before.keys() & after.keys()}, client_cpu_s
 

@@ -13,7 +13,6 @@ ignored, greedy), `--max-concurrency` in flight. Requests are token ids from the
 """
 
 import argparse
-import asyncio
 import random
 import shlex
 import sys
@@ -21,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import uvloop
 
 from services.bench.checkpoints import SHAPES, write_random_llama
 from services.launcher import Stack, StackConfig, find_free_port  # first: it turns gRPC's fork handlers off
@@ -83,7 +83,7 @@ def run_policy(args, model_dir: str, policy: str, prompts: list[list[int]]) -> d
                              log_dir=Path(logs), echo_logs=False)
         with Stack(config) as stack:
             _wait_for_replicas(stack.engine_addr, args.replicas * args.num_kv_blocks)
-            outputs, seconds = asyncio.run(_send(stack.base_url, prompts, args.output_len, args.max_concurrency))
+            outputs, seconds = uvloop.run(_send(stack.base_url, prompts, args.output_len, args.max_concurrency))
             with grpc.insecure_channel(stack.engine_addr) as channel:
                 load = engine_pb2_grpc.EngineStub(channel).Load(engine_pb2.LoadRequest(), timeout=10)
     done = [o for o in outputs if o.success]

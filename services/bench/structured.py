@@ -12,13 +12,14 @@ Starts `strata up` on --model (default: the built-in model) unless --base-url na
 """
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+
+import uvloop
 
 from services.bench.client import RequestSettings, open_session
 from services.bench.datasets import BenchRequest
@@ -130,9 +131,9 @@ async def _first_token_times(base_url: str, model: str, args) -> dict[str, float
 def _report(base_url: str, model: str, args, engine_metrics_url: str | None = None) -> int:
     schema = json.loads(Path(args.schema).read_text()) if args.schema else default_schema()
     before = _scrape(engine_metrics_url)
-    constrained_tps, free_tps, failed = asyncio.run(_throughput(base_url, model, schema, args))
+    constrained_tps, free_tps, failed = uvloop.run(_throughput(base_url, model, schema, args))
     masks = _engine_mask_figures(before, _scrape(engine_metrics_url)) if engine_metrics_url else ""
-    ttft = asyncio.run(_first_token_times(base_url, model, args))
+    ttft = uvloop.run(_first_token_times(base_url, model, args))
     print(f"============ Structured output: {args.num_prompts} requests, {args.max_concurrency} streams "
           f"============")
     print(f"{'run':<34}{'output tok/s':>14}")
