@@ -123,7 +123,9 @@ def test_baseline_gets_the_same_requests_and_a_side_by_side_table(start_server, 
                "--random-output-len", "4", "--random-range-ratio", "0.5", "--ignore-eos", "--no-plots",
                "--result-filename", "pair.json")
     assert rc == 0
-    assert state.bodies == baseline_state.bodies and state.num_requests == 2 * (5 + 1)
+    # the same requests; at 4 streams the order they reach a server in is a race between connections
+    assert sorted(map(json.dumps, state.bodies)) == sorted(map(json.dumps, baseline_state.bodies))
+    assert state.num_requests == 2 * (5 + 1)
     out = capsys.readouterr().out
     table = out[out.index("strata vs llama.cpp, same requests; ratio = strata / llama.cpp"):].splitlines()[:5]
     assert table[2].split()[:4] == ["run", "strata", "llama.cpp", "ratio"]
