@@ -68,18 +68,16 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], masks: StepMasks | None
                 ) -> tuple[list[int], list[SampledLogprobs | None]]:
         params = [r.sampling_params for r in requests]
-        raw = logits  # the logprobs are the raw distribution's: the caller's logits stay as they came
         processed = self.process_logits(logits, requests)
         if masks is not None:
             if processed is logits:  # the caller's logits stay as they came (a failed step samples them again)
                 processed = logits.clone()
             masks.apply(processed, requests, unprocessed=logits)
-        logits = processed
-        tokens = self._draw(logits, requests)
+        tokens = self._draw(processed, requests)
         token_list = tokens.tolist()
         if all(p.logprobs is None for p in params):
             return token_list, [None] * len(requests)
-        return token_list, self._logprobs(raw, tokens, params)
+        return token_list, self._logprobs(logits, tokens, params)  # of the raw distribution
 
     def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Penalties, logit bias and the min_tokens mask, in a new tensor; ``logits`` itself when none

@@ -50,8 +50,8 @@ void shifted_exp(const float* x, int64_t n, float t, float shift, float* w) {
   for (; i < n; ++i) w[i] = x[i] == kMasked ? 0.0f : std::exp(std::min(x[i] / t - shift, 0.0f));
 }
 
-// torch.argmax's choice: the first NaN, else the first of the largest.
-int64_t argmax(const float* x, int64_t n) {
+// torch.argmax's choice, one element at a time: the first NaN, else the first of the largest.
+int64_t argmax_scalar(const float* x, int64_t n) {
   int64_t best = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (std::isnan(x[i])) return i;
@@ -60,8 +60,8 @@ int64_t argmax(const float* x, int64_t n) {
   return best;
 }
 
-// The same index as `argmax`: on AVX-512 a pass for the max (and whether any NaN), then one for its first index.
-int64_t argmax_fast(const float* x, int64_t n) {
+// torch.argmax's choice; on AVX-512 a pass for the max (and whether any NaN), then one for its first index.
+int64_t argmax(const float* x, int64_t n) {
 #ifdef STRATA_AVX512
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan_seen = 0;
@@ -71,7 +71,7 @@ int64_t argmax_fast(const float* x, int64_t n) {
     nan_seen |= _mm512_mask_cmp_ps_mask(mask, v, v, _CMP_UNORD_Q);
     best = _mm512_mask_max_ps(best, mask, best, v);
   }
-  if (nan_seen) return argmax(x, n);
+  if (nan_seen) return argmax_scalar(x, n);
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = lanes(n - i);
@@ -79,7 +79,7 @@ int64_t argmax_fast(const float* x, int64_t n) {
     if (equal) return i + __builtin_ctz(equal);
   }
 #endif
-  return argmax(x, n);
+  return argmax_scalar(x, n);
 }
 
 struct Scratch {
@@ -326,7 +326,7 @@ void strata_logprobs(const float* logits, int64_t rows, int64_t vocab, int64_t s
 // (the first NaN, else the first of the largest).
 void strata_argmax(const float* logits, int64_t rows, int64_t vocab, int64_t stride, int64_t* out) {
 #pragma omp parallel for schedule(static) if (rows > 1 && rows * vocab >= (1 << 18))
-  for (int64_t r = 0; r < rows; ++r) out[r] = argmax_fast(logits + r * stride, vocab);
+  for (int64_t r = 0; r < rows; ++r) out[r] = argmax(logits + r * stride, vocab);
 }
 
 }  // extern "C"

@@ -30,19 +30,20 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
+def _function(symbol: str, *argtypes):
+    return load_function("sampling.cpp", symbol, list(argtypes))
+
+
 def _kernel():
-    return load_function("sampling.cpp", "strata_sample",
-                         [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr])
+    return _function("strata_sample", _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr)
 
 
-@functools.cache
 def _argmax_kernel():
-    return load_function("sampling.cpp", "strata_argmax", [_ptr, _i64, _i64, _i64, _ptr])
+    return _function("strata_argmax", _ptr, _i64, _i64, _i64, _ptr)
 
 
-@functools.cache
 def _logprobs_kernel():
-    return load_function("sampling.cpp", "strata_logprobs", [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr])
+    return _function("strata_logprobs", _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr)
 
 
 def is_available() -> bool:
