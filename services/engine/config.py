@@ -59,6 +59,13 @@ class EngineConfig:
                                    "the last, as vLLM's flag: 1 streams every token as it is made; larger values "
                                    "send fewer, bigger messages through the stack, which leaves more CPU to the "
                                    "model under load (default: %(default)s)")
+    generation_config: str = flag("auto", "where requests that leave temperature, top_p, top_k, min_p, "
+                                          "repetition_penalty or max_tokens unset get their defaults, as vLLM's "
+                                          "flag: auto, the checkpoint's generation_config.json; vllm, OpenAI's "
+                                          "neutral defaults; or a folder with a generation_config.json "
+                                          "(default: %(default)s)")
+    override_generation_config: str | None = flag(None, "JSON object of defaults set over the generation config's, "
+                                                        "e.g. '{\"temperature\": 0.5}' (default: none)")
     # Requests that may wait beyond a full running batch before new ones are refused (RESOURCE_EXHAUSTED);
     # None: 4 x max_num_seqs, so the last in line waits about four batch turnovers; -1: unbounded.
     max_waiting_requests: int | None = flag(

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from services.common.errors import InvalidRequestError
 from services.engine.config import EngineConfig
 from services.engine.cpu_allocator import keep_freed_memory
+from services.engine.generation_defaults import load_generation_defaults, log_defaults
 from services.engine.kv_events import KvEventSink, NullKvEventSink
 from services.engine.model_runner import ModelRunner
 from services.engine.request import Request
@@ -25,6 +26,10 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, event_sink: KvEventSink | None = None) -> None:
         self.config = config
+        # before the weights load: a bad --generation-config or file stops the start at once
+        self.generation_defaults = load_generation_defaults(config.model, config.generation_config,
+                                                            config.override_generation_config)
+        log_defaults(self.generation_defaults, config.generation_config)
         if config.device == "cpu":
             keep_freed_memory()
         self.model_runner = ModelRunner(config)

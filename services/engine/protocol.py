@@ -1,6 +1,7 @@
 """Conversion between the `strata.v1` engine protobufs and the engine's domain objects."""
 
 import time
+from collections.abc import Mapping
 
 from services.common.pb import engine_pb2
 from services.engine.sampling_params import SamplingParams
@@ -20,12 +21,15 @@ _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "
                              "frequency_penalty", "repetition_penalty", "logprobs")
 
 
-def sampling_params_from_proto(request: engine_pb2.GenerateRequest) -> SamplingParams:
+def sampling_params_from_proto(request: engine_pb2.GenerateRequest,
+                               defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
     """Raises InvalidRequestError (from SamplingParams, which also holds every default) for out-of-range
-    values; an unset field keeps SamplingParams' default."""
+    values; an unset field takes ``defaults``' value (the model's, `generation_defaults`) when it has one,
+    else SamplingParams' default."""
     sampling, stop = request.sampling, request.stop
     return SamplingParams(
-        **{name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)},
+        **(dict(defaults or {})
+           | {name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)}),
         logit_bias=dict(sampling.logit_bias),
         max_tokens=stop.max_tokens,
         min_tokens=stop.min_tokens,

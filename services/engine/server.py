@@ -56,7 +56,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         engine = self._ready_engine()
-        params = sampling_params_from_proto(request)
+        params = sampling_params_from_proto(request, engine.core.generation_defaults.sampling)
         request_id = request.request_id or uuid.uuid4().hex
         span = trace.get_current_span()  # the RPC's span (grpc_server's tracing interceptor)
         # strata.request_id (the client's x-request-id, else this id) is set by grpc_server's interceptor
@@ -96,7 +96,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
         with request_ids.bound(request.request_id):  # its log lines carry its id, as a Generate call's do
             engine = self._ready_engine()
-            params = sampling_params_from_proto(request)
+            params = sampling_params_from_proto(request, engine.core.generation_defaults.sampling)
             return engine.submit(request.request_id, list(request.prompt_token_ids), params, on_output,
                                  request.cache_salt, request.fairness_key)
 
@@ -110,7 +110,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             replica_id=self.config.replica_id, max_num_seqs=self.config.max_num_seqs,
             dtype=str(core.model_runner.dtype).removeprefix("torch."), device=self.config.device,
             prefix_caching=self.config.enable_prefix_caching, max_logprobs=self.config.max_logprobs,
-            generate_many=True,
+            generate_many=True, default_max_tokens=core.generation_defaults.max_tokens,
         )
 
     async def Load(self, request: engine_pb2.LoadRequest, context) -> engine_pb2.LoadReport:

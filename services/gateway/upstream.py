@@ -82,7 +82,8 @@ class Upstream:
                 name=self._served_model_name or engine_info.model,
                 max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
                 eos_token_ids=frozenset(tokenizer_info.eos_token_ids),
-                generate_many=engine_info.generate_many)
+                generate_many=engine_info.generate_many,
+                default_max_tokens=engine_info.default_max_tokens if engine_info.HasField("default_max_tokens") else None)
         return self._facts
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -33,6 +33,7 @@ class ModelFacts:
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
     generate_many: bool = False  # the engine answers GenerateMany (a router does not)
+    default_max_tokens: int | None = None  # the model's, for a request without max_tokens (generation_config.json)
 
 
 @dataclass(frozen=True)
@@ -250,8 +251,10 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def resolve_max_tokens(params: GenerationParams, num_prompt_tokens: int, facts: ModelFacts) -> int:
-    """The max_tokens of one prompt: the requested one, or the rest of the context (at least 1: a
-    prompt that fills the context is the engine's to refuse, with vLLM's message)."""
+    """The max_tokens of one prompt: the requested one, else the rest of the context (at least 1: a
+    prompt that fills the context is the engine's to refuse, with vLLM's message), capped by the
+    model's default max_tokens when it has one."""
     if params.max_tokens is not None:
         return params.max_tokens
-    return max(facts.max_model_len - num_prompt_tokens, 1)
+    rest = max(facts.max_model_len - num_prompt_tokens, 1)
+    return rest if facts.default_max_tokens is None else min(rest, facts.default_max_tokens)

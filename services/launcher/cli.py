@@ -21,7 +21,8 @@ from services.launcher.stack import Stack, StartupError
 # EngineConfig fields `strata up` takes as flags of its own and passes to the engines when given (besides
 # --enable-prefix-caching); any other engine flag goes through --engine-args
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
-                "max_logprobs", "seed", "dtype", "device", "attention_backend")
+                "max_logprobs", "seed", "dtype", "device", "attention_backend", "generation_config",
+                "override_generation_config")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -2,6 +2,8 @@
 map onto the engine's protobuf fields, and the rules on sampling values stay the engine's alone: the
 gateway passes them on and names an engine refusal as the client named the field."""
 
+import dataclasses
+
 import pytest
 
 from services.gateway.errors import OpenAIError
@@ -133,6 +135,12 @@ def test_strings_are_never_read_as_token_ids():
 
 def test_max_tokens_defaults_to_the_rest_of_the_context():
     assert resolve_max_tokens(chat(), 30, FACTS) == 70
+
+
+def test_the_models_default_max_tokens_caps_only_a_request_that_sets_none():
+    facts = dataclasses.replace(FACTS, default_max_tokens=20)  # generation_config.json's max_new_tokens
+    assert resolve_max_tokens(chat(), 30, facts) == 20 and resolve_max_tokens(chat(), 95, facts) == 5
+    assert resolve_max_tokens(chat(max_tokens=50), 30, facts) == 50
 
 
 def test_a_prompt_that_fills_the_context_is_sent_for_the_engine_to_refuse():
