@@ -34,6 +34,18 @@ class _InputBatch:
     sample_requests: list[Request]
 
 
+@dataclass
+class _DecodeRows:
+    """A native decode step's inputs, one row per request (int64 tensors on the CPU)."""
+    input_ids: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    slot_mapping: torch.Tensor  # [n]
+    block_tables: torch.Tensor  # [n, blocks]
+    seq_lens: torch.Tensor  # [n]
+    sample_rows: torch.Tensor  # [s]: the rows that sample
+    sample_requests: list[Request]
+
+
 class ModelRunner:
     """Owns the model weights and the KV pools (one K and one V pool per layer,
     ``[num_kv_blocks, block_size, num_kv_heads, head_dim]``, zero-initialised; every block is usable;
@@ -117,10 +129,9 @@ class ModelRunner:
             return [], torch.empty(0, self.vocab_size)
         num_tokens = scheduler_output.num_batched_tokens
         if self.decode_step is not None and scheduler_output.one_token_each and num_tokens <= NATIVE_MAX_ROWS:
-            batch = self._prepare(scheduler_output.chunks)  # one token each: a decode step, in one native call
-            md = batch.metadata
-            return batch.sample_requests, self.decode_step.logits(batch.input_ids, batch.positions, md.slot_mapping,
-                                                                  md.block_tables, md.seq_lens, batch.sample_rows)
+            rows = self._prepare_rows(scheduler_output.chunks)  # one token each: a decode step, in one native call
+            return rows.sample_requests, self.decode_step.logits(rows.input_ids, rows.positions, rows.slot_mapping,
+                                                                 rows.block_tables, rows.seq_lens, rows.sample_rows)
         graphed = self.is_captured and (scheduler_output.one_token_each or not self.graphs.decode_only)
         bucket = self.graphs.bucket_for(num_tokens) if graphed else None
         batch = self._prepare(scheduler_output.chunks, bucket - num_tokens if bucket else 0)
@@ -243,6 +254,31 @@ class ModelRunner:
             sample_rows=self._tensor(query_start_loc[1:][samples] - 1),
             sample_requests=[c.request for c in chunks if c.samples],
         )
+
+    def _prepare_rows(self, chunks: list[ScheduledChunk]) -> "_DecodeRows":
+        """What the native decode step takes for ``chunks`` of one new token each (no padding): the rows of
+        `_prepare`, in one loop over the requests instead of its general numpy, which took 0.11 ms of a
+        1.9 ms bfloat16 step at one row and 0.35 ms at 64 (this: 0.02 and 0.10)."""
+        block_size = self.block_size
+        num_rows = len(chunks)
+        input_ids, positions, slots = [0] * num_rows, [0] * num_rows, [0] * num_rows
+        block_tables = np.zeros((num_rows, max(len(chunk.block_ids) for chunk in chunks)), np.int64)
+        for row, chunk in enumerate(chunks):
+            request, blocks = chunk.request, chunk.block_ids
+            position = request.num_computed_tokens
+            if position >= len(blocks) * block_size or position >= self.max_model_len:
+                raise ValueError(f"request {request.request_id!r} reaches {position + 1} tokens with {len(blocks)} "
+                                 f"blocks of {block_size} (max_model_len {self.max_model_len})")
+            input_ids[row], positions[row] = request.all_token_ids[position], position
+            slots[row] = blocks[position // block_size] * block_size + position % block_size
+            block_tables[row, :len(blocks)] = blocks
+        sampling = [row for row, chunk in enumerate(chunks) if chunk.samples]
+        position_tensor = torch.tensor(positions, dtype=torch.int64)
+        return _DecodeRows(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64), positions=position_tensor,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=torch.from_numpy(block_tables),
+            seq_lens=position_tensor + 1, sample_rows=torch.tensor(sampling, dtype=torch.int64),
+            sample_requests=[chunks[row].request for row in sampling])
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)

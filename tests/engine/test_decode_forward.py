@@ -95,6 +95,28 @@ def test_logits_in_the_native_call_are_the_heads_on_its_hidden_states(checkpoint
     assert torch.equal(logits, runner.model.compute_logits(step(*inputs).index_select(0, picked)))
 
 
+def test_the_native_steps_rows_are_the_general_batchs(checkpoint):
+    """``_prepare_rows`` (the native step's inputs, built row by row) gives what ``_prepare`` gives for the
+    same one-token chunks, a chunk that does not sample (one token of a longer prompt) included, and
+    refuses a request whose blocks cannot hold its next token, as ``_prepare`` does."""
+    runner = make_runner(checkpoint, "float32")
+    requests, tables = prefill([runner], [5, 17, 40])
+    chunked = Request("chunked", list(range(3, 13)), SamplingParams(temperature=0.0))
+    chunked.num_computed_tokens = 4  # token 5 of 10: this step does not sample it
+    chunks = [ScheduledChunk(r, 1, t) for r, t in zip(requests, tables)] + [ScheduledChunk(chunked, 1, [60, 61, 62])]
+    batch, rows = runner._prepare(chunks), runner._prepare_rows(chunks)
+    md = batch.metadata
+    for name, expected in (("input_ids", batch.input_ids), ("positions", batch.positions),
+                           ("slot_mapping", md.slot_mapping), ("block_tables", md.block_tables),
+                           ("seq_lens", md.seq_lens), ("sample_rows", batch.sample_rows)):
+        assert torch.equal(getattr(rows, name), expected), name
+    assert rows.sample_requests == batch.sample_requests == requests
+    full = Request("full", [1] * BLOCK_SIZE, SamplingParams(temperature=0.0))
+    full.num_computed_tokens = BLOCK_SIZE  # its one block is full: the next token has no slot
+    with pytest.raises(ValueError, match="'full' reaches"):
+        runner._prepare_rows([ScheduledChunk(full, 1, [7])])
+
+
 def test_only_decode_only_steps_run_natively(checkpoint, monkeypatch):
     runner = make_runner(checkpoint, "float32")
     calls = []

@@ -325,7 +325,7 @@ void strata_logprobs(const float* logits, int64_t rows, int64_t vocab, int64_t s
 // logits: [rows, vocab] float32, row stride `stride` -> out: [rows], each row's argmax as torch.argmax picks it
 // (the first NaN, else the first of the largest).
 void strata_argmax(const float* logits, int64_t rows, int64_t vocab, int64_t stride, int64_t* out) {
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * vocab >= (1 << 18))
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * vocab >= (1LL << 21))
   for (int64_t r = 0; r < rows; ++r) out[r] = argmax(logits + r * stride, vocab);
 }
 
