@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
 from services.common.tls import TlsFiles
-from services.gateway import chat, completions, errors
+from services.common import service_identity
+from services.gateway import chat, completions, errors, tokenize
 from services.gateway.admission import AdmissionMiddleware
 from services.gateway.drain import Drain
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -89,6 +90,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     errors.install_handlers(app)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(tokenize.router)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -107,6 +109,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         error = errors.OpenAIError(f"upstream not serving: {down}", 503)
         return JSONResponse({**error.body(), **upstreams}, status_code=503)
 
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": service_identity.version()})
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -122,7 +128,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(ErrorCountMiddleware, counter=metrics.request_errors)
-    paths = frozenset(route.path for route in [*chat.router.routes, *completions.router.routes, *app.routes]
+    paths = frozenset(route.path for route in [*chat.router.routes, *completions.router.routes,
+                                               *tokenize.router.routes, *app.routes]
                       if isinstance(route, APIRoute))
     app.add_middleware(HttpMetricsMiddleware, histogram=metrics.http_request_duration, paths=paths)
     app.add_middleware(TracingMiddleware)

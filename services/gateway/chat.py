@@ -111,7 +111,7 @@ def _message_proto(message: ChatMessage) -> tokenizer_pb2.ChatMessage:
             else json.dumps(call.function.arguments))) for call in message.tool_calls or ()])
 
 
-async def _messages_proto(messages: list[ChatMessage]) -> list[tokenizer_pb2.ChatMessage]:
+async def messages_proto(messages: list[ChatMessage]) -> list[tokenizer_pb2.ChatMessage]:
     """The messages as protobuf, yielding to the event loop every 1024 (100k messages take 0.25 s)."""
     protos = []
     for i, message in enumerate(messages):
@@ -130,7 +130,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     tool_use = validate_tools(body, state.tool_call_parser)
     forced = tool_use.forced
     params.constraint = only_one(params.constraint, forced.constraint if forced else None)
-    messages = await _messages_proto(body.messages)
+    messages = await messages_proto(body.messages)
     # the request's tools reach the template as transformers passes them; chat_template_kwargs win
     template_kwargs = {**({"tools": tool_use.tools} if tool_use.tools else {}), **(body.chat_template_kwargs or {})}
     prompt = await state.upstream.encode_chat(messages, body.add_generation_prompt,

@@ -69,15 +69,20 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send_with_id)
 
 
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/*
+
+
 class ApiKeyMiddleware:
-    """401 on ``/v1/*`` unless ``Authorization: Bearer <key>`` matches (constant-time compare)."""
+    """401 on ``/v1/*``, ``/tokenize`` and ``/detokenize`` unless ``Authorization: Bearer <key>`` matches
+    (constant-time compare). vLLM leaves its /tokenize open; here it renders chat templates, work that
+    only a client with the key may ask for."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in _KEYED_PATHS):
             given = _header(scope, b"authorization") or b""
             if not hmac.compare_digest(given, self._expected):
                 return await send_error(send, errors.invalid_api_key())

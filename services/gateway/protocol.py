@@ -121,6 +121,28 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``POST /tokenize``: a text ``prompt``, or chat ``messages`` rendered by the chat template as
+    /v1/chat/completions renders them (``tools`` and ``chat_template_kwargs`` reach the template the same
+    way). ``add_special_tokens`` is for a prompt (default true, as completions): a chat's special tokens
+    are its template's."""
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``POST /detokenize``: token ids to text, special tokens included."""
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 def _prompt_shape(value: Any) -> str:
     if isinstance(value, str):
         return "text"

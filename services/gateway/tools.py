@@ -44,11 +44,9 @@ class ToolUse:
     forced: ForcedToolChoice | None = None
 
 
-def validate_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> ToolUse:
-    """``tool_call_parser``: the server's parser when auto tool choice is on, else None."""
-    if req.tool_choice is not None and not req.tools:
-        raise errors.bad_request("When using `tool_choice`, `tools` must be set.", param="tool_choice")
-    for i, tool in enumerate(req.tools or []):
+def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
+    """400 unless each tool is ``{"type": "function", "function": {"name": ..., "parameters": {...}}}``."""
+    for i, tool in enumerate(tools or []):
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str) or not function["name"]:
@@ -57,6 +55,13 @@ def validate_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> 
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise errors.bad_request("A tool's parameters must be a JSON schema (a JSON object).",
                                      param=f"tools.[{i}].function.parameters")
+
+
+def validate_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> ToolUse:
+    """``tool_call_parser``: the server's parser when auto tool choice is on, else None."""
+    if req.tool_choice is not None and not req.tools:
+        raise errors.bad_request("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    check_tool_definitions(req.tools)
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     if choice == "none":
         return ToolUse(req.tools, parses_calls=False)

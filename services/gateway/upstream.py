@@ -102,6 +102,11 @@ class Upstream:
         request = tokenizer_pb2.DecodeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
         return (await self._unary("tokenizer", "Decode", request)).text
 
+    async def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's string in the vocabulary ("Ġhello"), as /tokenize's return_token_strs gives them."""
+        request = tokenizer_pb2.TokenStringsRequest(token_ids=token_ids)
+        return list((await self._unary("tokenizer", "TokenStrings", request)).tokens)
+
     async def token_texts(self, token_ids: set[int]) -> dict[int, str]:
         """The text of each single token (special tokens included), as logprobs show it; cached."""
         missing = [i for i in token_ids if i not in self._token_texts]

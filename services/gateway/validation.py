@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from services.common.pb import engine_pb2
 from services.gateway import errors
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from services.gateway.structured_output import Constraint, request_constraint
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's cap on chat top_logprobs
@@ -187,15 +187,20 @@ def _max_tokens(params: GenerationParams, value: int | None, param: str) -> None
     params.max_tokens, params.max_tokens_param = value, param
 
 
-def validate_chat(req: ChatCompletionRequest, facts: ModelFacts, limits: Limits) -> GenerationParams:
-    params = _common(req, facts, limits)
-    _check(len(req.messages) > 0, "messages must contain at least one message.", "messages")
-    for i, message in enumerate(req.messages):
+def check_messages(messages: list[ChatMessage]) -> None:
+    """At least one message, and text content only."""
+    _check(len(messages) > 0, "messages must contain at least one message.", "messages")
+    for i, message in enumerate(messages):
         if isinstance(message.content, list):
             for part in message.content:
                 _check(part.type == "text" and part.text is not None,
                        f"Only text content parts are supported, got {part.type!r}.",
                        f"messages.[{i}].content")
+
+
+def validate_chat(req: ChatCompletionRequest, facts: ModelFacts, limits: Limits) -> GenerationParams:
+    params = _common(req, facts, limits)
+    check_messages(req.messages)
     if req.max_completion_tokens is not None:
         _max_tokens(params, req.max_completion_tokens, "max_completion_tokens")
     else:

@@ -111,6 +111,12 @@ class CheckpointTokenizer:
         self.check_ids(token_ids)
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's string in the vocabulary (convert_ids_to_tokens); "" for an id below the model's
+        vocabulary size that the tokenizer does not have."""
+        self.check_ids(token_ids)
+        return [self.backend.id_to_token(i) or "" for i in token_ids]
+
     def detokenizer(self, skip_special_tokens: bool, prefix_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         """An incremental decoder of one generation whose text continues after `prefix_ids`."""
         return IncrementalDetokenizer(

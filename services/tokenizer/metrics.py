@@ -22,7 +22,7 @@ class TokenizerMetrics:
                                 ["rpc", "outcome"],
                                 registry=self.registry)
         self.duration = Histogram("strata:tokenizer_request_duration_seconds", "Time to answer one Encode, "
-                                  "EncodeChat or Decode call.", ["rpc"], buckets=_DURATION_BUCKETS,
+                                  "EncodeChat, Decode or TokenStrings call.", ["rpc"], buckets=_DURATION_BUCKETS,
                                   registry=self.registry)
         self.tokens = Counter("strata:tokenizer_tokens", "Token ids produced (direction=encoded: Encode and "
                               "EncodeChat) or turned into text (direction=decoded: Decode and Detokenize).",

@@ -83,6 +83,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self.metrics.tokens.labels("decoded").inc(len(request.token_ids))
         return tokenizer_pb2.DecodeResponse(text=text)
 
+    async def TokenStrings(self, request, context) -> tokenizer_pb2.TokenStringsResponse:
+        with self.metrics.answering("TokenStrings"):
+            tokens = await self._run(self._tokenizer.token_strings, list(request.token_ids))
+        return tokenizer_pb2.TokenStringsResponse(tokens=tokens)
+
     async def Detokenize(self, request_iterator, context) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
         self.metrics.detokenize_streams.inc()
         decoded = self.metrics.tokens.labels("decoded")

@@ -83,10 +83,11 @@ def plausible(case):
         if name == "max_tokens" or name in body:
             value = body.get(name)
             body[name] = 1 + abs(value) % 16 if isinstance(value, int) else 16
-    if "messages" in body:
+    if isinstance(body.get("messages"), list):
         body["messages"] = [{"role": "user", "content": m["content"] if isinstance(m.get("content"), str) and m["content"]
                              else "hi"} for m in body["messages"][:3]] or [{"role": "user", "content": "hi"}]
-    if "prompt" in body and not (isinstance(body["prompt"], str) and body["prompt"]):
+    if "prompt" in body and not (isinstance(body["prompt"], str) and body["prompt"]) \
+            and not isinstance(body.get("messages"), list):  # /tokenize takes one or the other
         body["prompt"] = "hi"
     return case
 

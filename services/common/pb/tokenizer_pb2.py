@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19strata/v1/tokenizer.proto\x12\tstrata.v1\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xa3\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\'\n\ntool_calls\x18\x06 \x03(\x0b\x32\x13.strata.v1.ToolCallB\x07\n\x05_nameB\x0f\n\r_tool_call_idJ\x04\x08\x05\x10\x06\"O\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12)\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x17.strata.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\x91\x01\n\x11\x45ncodeChatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\"<\n\x12\x45ncodeChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"]\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x03 \x03(\r\"?\n\x12\x44\x65tokenizeResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x15\n\rnum_token_ids\x18\x02 \x01(\x04\"~\n\x0e\x44\x65tokenizeItem\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x04 \x03(\r\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x08\"A\n\x15\x44\x65tokenizeManyRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.strata.v1.DetokenizeItem\"K\n\x0f\x44\x65tokenizeDelta\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x15\n\rnum_token_ids\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"D\n\x16\x44\x65tokenizeManyResponse\x12*\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1a.strata.v1.DetokenizeDelta\"\x16\n\x14TokenizerInfoRequest\"\xaf\x01\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\tB\x0f\n\r_bos_token_id2\xc9\x03\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.strata.v1.EncodeRequest\x1a\x19.strata.v1.EncodeResponse\x12I\n\nEncodeChat\x12\x1c.strata.v1.EncodeChatRequest\x1a\x1d.strata.v1.EncodeChatResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x19.strata.v1.DecodeResponse\x12M\n\nDetokenize\x12\x1c.strata.v1.DetokenizeRequest\x1a\x1d.strata.v1.DetokenizeResponse(\x01\x30\x01\x12Y\n\x0e\x44\x65tokenizeMany\x12 .strata.v1.DetokenizeManyRequest\x1a!.strata.v1.DetokenizeManyResponse(\x01\x30\x01\x12I\n\x04Info\x12\x1f.strata.v1.TokenizerInfoRequest\x1a .strata.v1.TokenizerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19strata/v1/tokenizer.proto\x12\tstrata.v1\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xa3\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\'\n\ntool_calls\x18\x06 \x03(\x0b\x32\x13.strata.v1.ToolCallB\x07\n\x05_nameB\x0f\n\r_tool_call_idJ\x04\x08\x05\x10\x06\"O\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12)\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x17.strata.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\x91\x01\n\x11\x45ncodeChatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\"<\n\x12\x45ncodeChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13TokenStringsRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x14TokenStringsResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\t\"]\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x03 \x03(\r\"?\n\x12\x44\x65tokenizeResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x15\n\rnum_token_ids\x18\x02 \x01(\x04\"~\n\x0e\x44\x65tokenizeItem\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x04 \x03(\r\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x08\"A\n\x15\x44\x65tokenizeManyRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.strata.v1.DetokenizeItem\"K\n\x0f\x44\x65tokenizeDelta\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x15\n\rnum_token_ids\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"D\n\x16\x44\x65tokenizeManyResponse\x12*\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1a.strata.v1.DetokenizeDelta\"\x16\n\x14TokenizerInfoRequest\"\xaf\x01\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\tB\x0f\n\r_bos_token_id2\x9a\x04\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.strata.v1.EncodeRequest\x1a\x19.strata.v1.EncodeResponse\x12I\n\nEncodeChat\x12\x1c.strata.v1.EncodeChatRequest\x1a\x1d.strata.v1.EncodeChatResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x19.strata.v1.DecodeResponse\x12O\n\x0cTokenStrings\x12\x1e.strata.v1.TokenStringsRequest\x1a\x1f.strata.v1.TokenStringsResponse\x12M\n\nDetokenize\x12\x1c.strata.v1.DetokenizeRequest\x1a\x1d.strata.v1.DetokenizeResponse(\x01\x30\x01\x12Y\n\x0e\x44\x65tokenizeMany\x12 .strata.v1.DetokenizeManyRequest\x1a!.strata.v1.DetokenizeManyResponse(\x01\x30\x01\x12I\n\x04Info\x12\x1f.strata.v1.TokenizerInfoRequest\x1a .strata.v1.TokenizerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,22 +50,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_end=705
   _globals['_DECODERESPONSE']._serialized_start=707
   _globals['_DECODERESPONSE']._serialized_end=737
-  _globals['_DETOKENIZEREQUEST']._serialized_start=739
-  _globals['_DETOKENIZEREQUEST']._serialized_end=832
-  _globals['_DETOKENIZERESPONSE']._serialized_start=834
-  _globals['_DETOKENIZERESPONSE']._serialized_end=897
-  _globals['_DETOKENIZEITEM']._serialized_start=899
-  _globals['_DETOKENIZEITEM']._serialized_end=1025
-  _globals['_DETOKENIZEMANYREQUEST']._serialized_start=1027
-  _globals['_DETOKENIZEMANYREQUEST']._serialized_end=1092
-  _globals['_DETOKENIZEDELTA']._serialized_start=1094
-  _globals['_DETOKENIZEDELTA']._serialized_end=1169
-  _globals['_DETOKENIZEMANYRESPONSE']._serialized_start=1171
-  _globals['_DETOKENIZEMANYRESPONSE']._serialized_end=1239
-  _globals['_TOKENIZERINFOREQUEST']._serialized_start=1241
-  _globals['_TOKENIZERINFOREQUEST']._serialized_end=1263
-  _globals['_TOKENIZERINFORESPONSE']._serialized_start=1266
-  _globals['_TOKENIZERINFORESPONSE']._serialized_end=1441
-  _globals['_TOKENIZER']._serialized_start=1444
-  _globals['_TOKENIZER']._serialized_end=1901
+  _globals['_TOKENSTRINGSREQUEST']._serialized_start=739
+  _globals['_TOKENSTRINGSREQUEST']._serialized_end=779
+  _globals['_TOKENSTRINGSRESPONSE']._serialized_start=781
+  _globals['_TOKENSTRINGSRESPONSE']._serialized_end=819
+  _globals['_DETOKENIZEREQUEST']._serialized_start=821
+  _globals['_DETOKENIZEREQUEST']._serialized_end=914
+  _globals['_DETOKENIZERESPONSE']._serialized_start=916
+  _globals['_DETOKENIZERESPONSE']._serialized_end=979
+  _globals['_DETOKENIZEITEM']._serialized_start=981
+  _globals['_DETOKENIZEITEM']._serialized_end=1107
+  _globals['_DETOKENIZEMANYREQUEST']._serialized_start=1109
+  _globals['_DETOKENIZEMANYREQUEST']._serialized_end=1174
+  _globals['_DETOKENIZEDELTA']._serialized_start=1176
+  _globals['_DETOKENIZEDELTA']._serialized_end=1251
+  _globals['_DETOKENIZEMANYRESPONSE']._serialized_start=1253
+  _globals['_DETOKENIZEMANYRESPONSE']._serialized_end=1321
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=1323
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=1345
+  _globals['_TOKENIZERINFORESPONSE']._serialized_start=1348
+  _globals['_TOKENIZERINFORESPONSE']._serialized_end=1523
+  _globals['_TOKENIZER']._serialized_start=1526
+  _globals['_TOKENIZER']._serialized_end=2064
 # @@protoc_insertion_point(module_scope)

@@ -87,6 +87,18 @@ class DecodeResponse(_message.Message):
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
+class TokenStringsRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenStringsResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids", "skip_special_tokens", "prefix_token_ids")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

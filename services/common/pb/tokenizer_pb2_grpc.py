@@ -52,6 +52,11 @@ class TokenizerStub:
                 request_serializer=strata_dot_v1_dot_tokenizer__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_tokenizer__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.TokenStrings = channel.unary_unary(
+                '/strata.v1.Tokenizer/TokenStrings',
+                request_serializer=strata_dot_v1_dot_tokenizer__pb2.TokenStringsRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_tokenizer__pb2.TokenStringsResponse.FromString,
+                _registered_method=True)
         self.Detokenize = channel.stream_stream(
                 '/strata.v1.Tokenizer/Detokenize',
                 request_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
@@ -90,6 +95,14 @@ class TokenizerServicer:
 
     def Decode(self, request, context):
         """Decodes token ids into text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenStrings(self, request, context):
+        """The vocabulary's string of each token id, as transformers' convert_ids_to_tokens gives it
+        ("Ġhello" in a byte-level BPE), not decoded text.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +148,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=strata_dot_v1_dot_tokenizer__pb2.DecodeRequest.FromString,
                     response_serializer=strata_dot_v1_dot_tokenizer__pb2.DecodeResponse.SerializeToString,
+            ),
+            'TokenStrings': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenStrings,
+                    request_deserializer=strata_dot_v1_dot_tokenizer__pb2.TokenStringsRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_tokenizer__pb2.TokenStringsResponse.SerializeToString,
             ),
             'Detokenize': grpc.stream_stream_rpc_method_handler(
                     servicer.Detokenize,
@@ -235,6 +253,33 @@ class Tokenizer:
             '/strata.v1.Tokenizer/Decode',
             strata_dot_v1_dot_tokenizer__pb2.DecodeRequest.SerializeToString,
             strata_dot_v1_dot_tokenizer__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenStrings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Tokenizer/TokenStrings',
+            strata_dot_v1_dot_tokenizer__pb2.TokenStringsRequest.SerializeToString,
+            strata_dot_v1_dot_tokenizer__pb2.TokenStringsResponse.FromString,
             options,
             channel_credentials,
             insecure,
