@@ -9,8 +9,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
-from services.common.tls import TlsFiles
 from services.common import service_identity
+from services.common.tls import TlsFiles
 from services.gateway import chat, completions, errors, tokenize
 from services.gateway.admission import AdmissionMiddleware
 from services.gateway.drain import Drain
