@@ -129,7 +129,9 @@ async def send_all(session: aiohttp.ClientSession, settings: RequestSettings, re
         outputs[index].sent_s = time.perf_counter() - start
         tasks.append(asyncio.create_task(one(index, request)))
     if plan.schedule is not None:  # a schedule runs to its end, even when it ends quiet (a scale-down)
-        await asyncio.sleep(max(0.0, min(start + plan.schedule.total_duration_s, deadline) - time.perf_counter()))
+        end = min(start + plan.schedule.total_duration_s, deadline)
+        while (remaining := end - time.perf_counter()) > 0:  # uvloop's timers may fire up to a millisecond early
+            await asyncio.sleep(remaining)
     if tasks:
         timeout = deadline - time.perf_counter() if math.isfinite(deadline) else None
         _, pending = await asyncio.wait(tasks, timeout=None if timeout is None else max(timeout, 0.0))
