@@ -29,7 +29,7 @@ class EngineCore:
         # before the weights load: a bad --generation-config or file stops the start at once
         self.generation_defaults = load_generation_defaults(config.model, config.generation_config,
                                                             config.override_generation_config)
-        log_defaults(self.generation_defaults, config.generation_config)
+        log_defaults(self.generation_defaults, config.generation_config, bool(config.override_generation_config))
         if config.device == "cpu":
             keep_freed_memory()
         self.model_runner = ModelRunner(config)

@@ -105,10 +105,14 @@ def _parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
     return parsed
 
 
-def log_defaults(defaults: GenerationDefaults, source: str) -> None:
+def log_defaults(defaults: GenerationDefaults, source: str, overridden: bool = False) -> None:
     """One line at start, as vLLM warns, so that nobody wonders where a request's temperature came from."""
     if defaults.sampling or defaults.max_tokens is not None:
-        log.warning("requests that leave them unset get the model's recommended %s (generation_config.json); "
-                    "serve with --generation-config vllm for OpenAI's neutral defaults", defaults.describe())
+        origin = {"auto": "the checkpoint's generation_config.json", "vllm": "none"}.get(
+            source, f"{source}/generation_config.json")
+        if overridden:
+            origin = "--override-generation-config" + ("" if source == "vllm" else f" over {origin}")
+        hint = "" if source == "vllm" else "; serve with --generation-config vllm for OpenAI's neutral defaults"
+        log.warning("requests that leave them unset get %s (from %s)%s", defaults.describe(), origin, hint)
     elif source != "vllm":
         log.info("generation_config.json recommends no sampling defaults: OpenAI's neutral ones apply")
