@@ -6,7 +6,9 @@ Instruct: temperature 0.6 and top_p 0.9; Qwen2.5 Instruct: temperature 0.7, top_
 repetition_penalty 1.05). vLLM takes five of its keys, temperature, top_p, top_k, min_p and
 repetition_penalty, as the defaults of every request that does not set them, and max_new_tokens as
 the default max_tokens; so does Strata. A value the client sends always wins, and where the file
-says nothing OpenAI's neutral defaults hold (`SamplingParams`). `do_sample` is ignored, as vLLM
+says nothing OpenAI's neutral defaults hold (`SamplingParams`). The engine applies the sampling keys
+itself; its Info tells the gateway the default max_tokens and temperature (with a greedy default,
+n > 1 is refused, as vLLM refuses it). `do_sample` is ignored, as vLLM
 ignores it: a file that names a temperature is read as recommending it.
 
 Sources (`--generation-config`): `auto` reads the checkpoint's own file, `vllm` (vLLM's spelling)

@@ -111,6 +111,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             dtype=str(core.model_runner.dtype).removeprefix("torch."), device=self.config.device,
             prefix_caching=self.config.enable_prefix_caching, max_logprobs=self.config.max_logprobs,
             generate_many=True, default_max_tokens=core.generation_defaults.max_tokens,
+            default_temperature=core.generation_defaults.sampling.get("temperature"),
         )
 
     async def Load(self, request: engine_pb2.LoadRequest, context) -> engine_pb2.LoadReport:

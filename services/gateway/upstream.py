@@ -83,7 +83,9 @@ class Upstream:
                 max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
                 eos_token_ids=frozenset(tokenizer_info.eos_token_ids),
                 generate_many=engine_info.generate_many,
-                default_max_tokens=engine_info.default_max_tokens if engine_info.HasField("default_max_tokens") else None)
+                default_max_tokens=engine_info.default_max_tokens if engine_info.HasField("default_max_tokens") else None,
+                default_temperature=(engine_info.default_temperature if engine_info.HasField("default_temperature")
+                                     else 1.0))
         return self._facts
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:

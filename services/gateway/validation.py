@@ -34,6 +34,7 @@ class ModelFacts:
     eos_token_ids: frozenset[int] = frozenset()
     generate_many: bool = False  # the engine answers GenerateMany (a router does not)
     default_max_tokens: int | None = None  # the model's, for a request without max_tokens (generation_config.json)
+    default_temperature: float = 1.0  # the model's, for a request without temperature (generation_config.json)
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,9 @@ class GenerationParams:
                    "structured_output": self.constraint.param if self.constraint else None}
         return renamed.get(engine_param) or engine_param
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.sampling.get("temperature", 1.0) == 0.0
+    def is_greedy(self, default_temperature: float = 1.0) -> bool:
+        """Whether the engine will decode greedily: the request's temperature, else the model's default, is 0."""
+        return self.sampling.get("temperature", default_temperature) == 0.0
 
     def sampling_proto(self, choice_index: int) -> engine_pb2.SamplingParams:
         """The engine's sampling params of choice ``choice_index`` (its own seed when seeded)."""
@@ -144,7 +145,7 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
         sampling["top_k"] = min(max(req.top_k, -_INT32), _INT32 - 1)
     if req.logit_bias:
         sampling["logit_bias"] = _logit_bias(req.logit_bias)
-    _check(not (params.is_greedy and req.n > 1),
+    _check(not (params.is_greedy(facts.default_temperature) and req.n > 1),
            f"n must be 1 when using greedy sampling, got {req.n}.", "n")
     if req.seed is not None:
         params.seed = req.seed % _UINT64

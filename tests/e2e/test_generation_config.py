@@ -56,6 +56,12 @@ def test_what_the_client_sends_wins(client):
     assert len(sampled) > 1
 
 
+def test_n_above_one_is_refused_as_greedy_unless_the_request_samples(client):
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+        complete(client, n=2)
+    assert len(complete(client, n=2, temperature=1.0).choices) == 2
+
+
 def test_a_chat_request_gets_the_recommendation_too(client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                           extra_body={"ignore_eos": True})

@@ -143,6 +143,16 @@ def test_the_models_default_max_tokens_caps_only_a_request_that_sets_none():
     assert resolve_max_tokens(chat(max_tokens=50), 30, facts) == 50
 
 
+def test_n_above_one_is_refused_when_the_models_default_temperature_is_greedy():
+    facts = dataclasses.replace(FACTS, default_temperature=0.0)  # generation_config.json's temperature
+    body = {"model": "tiny", "prompt": "hi", "n": 2}
+    with pytest.raises(OpenAIError) as refused:
+        validate_completion(CompletionRequest(**body), facts, LIMITS)
+    assert refused.value.param == "n" and "greedy" in refused.value.message
+    assert validate_completion(CompletionRequest(**body, temperature=0.7), facts, LIMITS).n == 2
+    assert completion(n=2).n == 2  # the neutral default, 1.0, samples
+
+
 def test_a_prompt_that_fills_the_context_is_sent_for_the_engine_to_refuse():
     assert resolve_max_tokens(chat(), 100, FACTS) == 1 and resolve_max_tokens(chat(max_tokens=80), 30, FACTS) == 80
 

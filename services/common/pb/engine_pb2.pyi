@@ -185,7 +185,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "replica_id", "max_num_seqs", "dtype", "device", "prefix_caching", "max_logprobs", "generate_many", "default_max_tokens")
+    __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "replica_id", "max_num_seqs", "dtype", "device", "prefix_caching", "max_logprobs", "generate_many", "default_max_tokens", "default_temperature")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class EngineInfoResponse(_message.Message):
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GENERATE_MANY_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -212,7 +213,8 @@ class EngineInfoResponse(_message.Message):
     max_logprobs: int
     generate_many: bool
     default_max_tokens: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., replica_id: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., max_logprobs: _Optional[int] = ..., generate_many: _Optional[bool] = ..., default_max_tokens: _Optional[int] = ...) -> None: ...
+    default_temperature: float
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., replica_id: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., max_logprobs: _Optional[int] = ..., generate_many: _Optional[bool] = ..., default_max_tokens: _Optional[int] = ..., default_temperature: _Optional[float] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
