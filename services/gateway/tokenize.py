@@ -15,10 +15,9 @@ from services.gateway.protocol import ERROR_RESPONSES, DetokenizeRequest, Tokeni
 from services.gateway.request_body import JsonBodyRoute
 from services.gateway.serving import gateway_state
 from services.gateway.tools import check_tool_definitions
-from services.gateway.validation import check_messages, check_model
+from services.gateway.validation import check_messages, check_model, check_token_ids
 
 router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
-_UINT32 = 1 << 32
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES)
@@ -50,7 +49,5 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     upstream = gateway_state(request).upstream
     check_model(body.model, await upstream.facts())
-    bad = [t for t in body.tokens if not 0 <= t < _UINT32]
-    if bad:  # past what the tokenizer's field carries; the tokenizer refuses ids past the vocabulary
-        raise errors.bad_request(f"tokens must be token ids, got {bad[0]}.", param="tokens")
+    check_token_ids(body.tokens, "tokens")
     return JSONResponse({"prompt": await upstream.decode(body.tokens, skip_special_tokens=False)})

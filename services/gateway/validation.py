@@ -110,6 +110,13 @@ def _check_finite(value: float | None, param: str) -> None:
            f"{param} must be a finite number, got {value}.", param)
 
 
+def check_token_ids(ids: list[int], param: str) -> None:
+    """400 for an id the engine's and the tokenizer's uint32 fields cannot carry (each side refuses ids
+    past its vocabulary itself)."""
+    bad = [i for i in ids if not 0 <= i < _UINT32]
+    _check(not bad, f"{param} must be token ids, got {bad[:1]}.", param)
+
+
 def check_model(requested: str | None, facts: ModelFacts) -> None:
     if requested is not None and requested != facts.name:
         raise errors.model_not_found(requested)
@@ -159,7 +166,7 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
     params.skip_special_tokens = req.skip_special_tokens
 
     ids = list(req.stop_token_ids or [])
-    _check(all(0 <= i < _UINT32 for i in ids), f"stop_token_ids must be token ids, got {ids}.", "stop_token_ids")
+    check_token_ids(ids, "stop_token_ids")
     params.stop_token_ids = ids
     params.ignore_eos = req.ignore_eos
     _check(0 <= req.min_tokens < _UINT32, f"min_tokens must be non-negative, got {req.min_tokens}.", "min_tokens")
