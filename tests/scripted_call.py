@@ -1,5 +1,4 @@
-"""A scripted gRPC bidi call, for the shared-stream tests (tests/gateway/test_shared_streams.py,
-tests/common/test_shared_generate.py)."""
+"""A scripted gRPC bidi call, for the shared-stream tests (tests/common/test_shared_generate.py)."""
 
 import asyncio
 

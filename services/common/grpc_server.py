@@ -82,9 +82,10 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
     the call's metadata and current while the servicer runs, so a servicer can add attributes to
     `trace.get_current_span()`; the request id (``x-request-id`` metadata, else a unary request's own
     ``request_id`` field) is bound for the call (`services.common.request_id`) and set on the span.
-    Health and reflection calls are not traced, nor streams shared by many requests (``GenerateMany``,
-    ``DetokenizeMany``: such a stream belongs to no one trace), and the polling RPCs (``Info``,
-    ``Load``: a router's checks every second) only when the caller is inside a trace."""
+    Health and reflection calls are not traced, nor streams shared by many requests (``GenerateMany``:
+    such a stream belongs to no one trace), and the polling and start-up RPCs (``Info``, ``Load``: a
+    router's checks every second; ``Decoder``: a gateway's fetch at start) only when the caller is inside
+    a trace."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -100,8 +101,8 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         return rewrap_handler(handler, lambda behavior: _traced(behavior, name, attributes, polling))
 
 
-POLLING_RPCS = frozenset({"Info", "Load"})
-SHARED_RPCS = frozenset({"DetokenizeMany", "GenerateMany"})
+POLLING_RPCS = frozenset({"Info", "Load", "Decoder"})
+SHARED_RPCS = frozenset({"GenerateMany"})
 
 
 def _call_facts(request, context, attributes: dict) -> tuple[dict[str, str], str | None, dict]:

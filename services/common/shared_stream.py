@@ -10,8 +10,8 @@ together too.
 `SharedStream` owns the call, the queue, a writer and a reader task; what an item is, how items make
 a message, where a reply goes and what error a broken stream gives its requests are its user's
 (``make_message(items)``, ``on_reply(reply)``, ``on_fail(error, unsent_items)``, ``failure(exception)``).
-The gateway shares its streams to the tokenizer and the engine (or router) this way, and the router its
-streams to each engine replica. Each request `join`s it and `leave`s it once; when the last one
+The gateway shares its stream to the engine (or router) this way, and the router its streams to each
+engine replica. Each request `join`s it and `leave`s it once; when the last one
 leaves, the stream half-closes after sending what is queued, so an idle gateway holds no stream and
 a server asked to stop does not wait on one. A stream that fails (the server went away) fails its
 requests through ``on_fail``; the next request opens a new one (`SharedStreams`).

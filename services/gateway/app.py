@@ -66,6 +66,15 @@ class GatewayConfig:
             raise ValueError("timeouts must be > 0 seconds")
 
 
+async def _fetch_facts_early(upstream: Upstream) -> None:
+    """The model's facts and the tokenizer's decoder (a parse of its tokenizer JSON) before the first
+    request needs them; where an upstream is not up yet, that request fetches them instead."""
+    try:
+        await upstream.facts()
+    except errors.OpenAIError:
+        pass
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     metrics = GatewayMetrics()
     drain = Drain()  # begun by __main__'s server on SIGTERM (app.state.drain)
@@ -78,9 +87,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.state.gateway = GatewayState(upstream, metrics, config.limits, config.tool_call_parser,
                                          config.stream_headers_timeout_s, drain)
         drain.loop = asyncio.get_running_loop()
+        warm_up = asyncio.ensure_future(_fetch_facts_early(upstream))
         try:
             yield
         finally:
+            warm_up.cancel()
             await upstream.close()
 
     # FastAPI's own request spans are off: TracingMiddleware makes the one root span, which carries

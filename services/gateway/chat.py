@@ -35,10 +35,10 @@ class ChatRenderer:
         self._tool_streams: dict[int, ToolCallStream] = {}  # by choice index
         self._forced = forced_tool_calls
 
-    async def _logprobs(self, entries: list) -> dict | None:
+    def _logprobs(self, entries: list) -> dict | None:
         if not self._with_logprobs:
             return None
-        texts = await self._upstream.token_texts(lp.token_ids_of(entries))
+        texts = self._upstream.token_texts(lp.token_ids_of(entries))
         return {"content": lp.chat_content(entries, texts)}
 
     def preamble(self, indices: list[int]) -> list[dict]:
@@ -46,7 +46,7 @@ class ChatRenderer:
             return self._forced.first_delta(index) if self._forced else {"role": "assistant", "content": ""}
         return [{"index": i, "delta": first_delta(i), "logprobs": None, "finish_reason": None} for i in indices]
 
-    async def stream_choice(self, step: Step) -> dict | None:
+    def stream_choice(self, step: Step) -> dict | None:
         has_logprobs = self._with_logprobs and bool(step.logprobs)
         if self._forced is not None:
             delta, finish_reason = self._forced.stream_delta(step.index, step.text, step.finish_reason)
@@ -55,7 +55,7 @@ class ChatRenderer:
         if not delta and finish_reason is None and not has_logprobs:
             return None
         choice = {"index": step.index, "delta": delta,
-                  "logprobs": await self._logprobs(step.logprobs) if has_logprobs else None,
+                  "logprobs": self._logprobs(step.logprobs) if has_logprobs else None,
                   "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = step.stop_reason
@@ -75,7 +75,7 @@ class ChatRenderer:
             delta["tool_calls"] = tool_calls
         return delta, finish_reason
 
-    async def full_choice(self, result: ChoiceResult) -> dict:
+    def full_choice(self, result: ChoiceResult) -> dict:
         message = {"role": "assistant", "content": result.text}
         finish_reason = result.finish_reason
         if self._forced is not None:
@@ -85,7 +85,7 @@ class ChatRenderer:
             message = {"role": "assistant", "content": content,
                        "tool_calls": [{k: v for k, v in call.items() if k != "index"} for call in calls]}
             finish_reason = _with_tool_calls(finish_reason, len(calls))
-        return {"index": result.index, "message": message, "logprobs": await self._logprobs(result.logprobs),
+        return {"index": result.index, "message": message, "logprobs": self._logprobs(result.logprobs),
                 "finish_reason": finish_reason, "stop_reason": result.stop_reason}
 
 

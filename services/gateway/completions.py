@@ -33,8 +33,8 @@ class CompletionRenderer:
     def _echo(self, index: int) -> str:
         return self._echo_texts[index // self._n] if self._echo_texts else ""
 
-    async def _format(self, builder: lp.CompletionLogprobs, entries: list) -> dict:
-        texts = await self._upstream.token_texts(lp.token_ids_of(entries))
+    def _format(self, builder: lp.CompletionLogprobs, entries: list) -> dict:
+        texts = self._upstream.token_texts(lp.token_ids_of(entries))
         return builder.format(entries, texts)
 
     def preamble(self, indices: list[int]) -> list[dict]:
@@ -43,7 +43,7 @@ class CompletionRenderer:
         return [{"index": i, "text": self._echo(i), "logprobs": None, "finish_reason": None}
                 for i in indices]
 
-    async def stream_choice(self, step: Step) -> dict | None:
+    def stream_choice(self, step: Step) -> dict | None:
         has_logprobs = self._with_logprobs and bool(step.logprobs)
         if not step.text and step.finish_reason is None and not has_logprobs:
             return None
@@ -51,18 +51,18 @@ class CompletionRenderer:
         if has_logprobs:
             builder = self._streamed_logprobs.setdefault(
                 step.index, lp.CompletionLogprobs(len(self._echo(step.index))))
-            logprobs = await self._format(builder, step.logprobs)
+            logprobs = self._format(builder, step.logprobs)
         choice = {"index": step.index, "text": step.text, "logprobs": logprobs,
                   "finish_reason": step.finish_reason}
         if step.finish_reason is not None:
             choice["stop_reason"] = step.stop_reason
         return choice
 
-    async def full_choice(self, result: ChoiceResult) -> dict:
+    def full_choice(self, result: ChoiceResult) -> dict:
         echo = self._echo(result.index)
         logprobs = None
         if self._with_logprobs:
-            logprobs = await self._format(lp.CompletionLogprobs(len(echo)), result.logprobs)
+            logprobs = self._format(lp.CompletionLogprobs(len(echo)), result.logprobs)
         return {"index": result.index, "text": echo + result.text, "logprobs": logprobs,
                 "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
 

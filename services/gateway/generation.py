@@ -1,6 +1,5 @@
-"""One request's choices: n Generate streams per prompt, each detokenized by the tokenizer (on the
-gateway's shared DetokenizeMany stream, or a Detokenize stream of its own when the request is traced)
-and cut at stop strings, merged into one stream of ``Step``s.
+"""One request's choices: n Generate streams per prompt, each detokenized here with the tokenizer's
+decoder (`Upstream.decoder`) and cut at stop strings, merged into one stream of ``Step``s.
 
 Contract: every choice yields steps until exactly one step with a ``finish_reason``. Cancelling
 (``FanOut.cancel()``, a client disconnect, or a stop string) cancels that choice's Generate call,
@@ -15,14 +14,13 @@ import grpc
 from opentelemetry import trace
 
 from services.common.inbox import Inbox
-from services.common.pb import engine_pb2, tokenizer_pb2
-from services.common.shared_stream import in_sampled_trace
+from services.common.pb import engine_pb2
 from services.gateway import errors, genai_span
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.upstream import Upstream
 from services.gateway.validation import GenerationParams
 
-# Prompt ids handed to Detokenize as context, so the first token's text (leading spaces,
+# Prompt ids handed to the detokenizer as context, so the first token's text (leading spaces,
 # SentencePiece markers) comes out as it does inside the whole sequence.
 _DETOKENIZE_PREFIX_IDS = 8
 
@@ -73,58 +71,6 @@ def plan_choices(request_id: str, prompts: list[list[int]], max_tokens: list[int
     return specs
 
 
-def _open_detokenizer(upstream: Upstream, prompt_ids: list[int], skip_special_tokens: bool):
-    """A traced request's own Detokenize stream; else a generation on the gateway's shared stream
-    (`shared_detokenize`), with the same interface."""
-    prefix_ids = prompt_ids[-_DETOKENIZE_PREFIX_IDS:]
-    if in_sampled_trace():
-        return _Detokenizer(upstream, prefix_ids, skip_special_tokens)
-    return upstream.shared_detokenize.open(prefix_ids, skip_special_tokens)
-
-
-class _Detokenizer:
-    """One Detokenize bidi stream: ids in, text deltas out, one reply per write, in order. A write
-    need not wait for the previous reply: one task may write while another reads."""
-
-    def __init__(self, upstream: Upstream, prefix_ids: list[int], skip_special_tokens: bool) -> None:
-        self._call = upstream.detokenize()
-        self._first = tokenizer_pb2.DetokenizeRequest(skip_special_tokens=skip_special_tokens,
-                                                      prefix_token_ids=prefix_ids)
-        self._opened = False
-
-    async def write(self, token_ids) -> bool:
-        """Sends ids; returns whether a reply will come for them (none for no ids)."""
-        if not token_ids:
-            return False
-        request = tokenizer_pb2.DetokenizeRequest(token_ids=token_ids)
-        if not self._opened:
-            self._first.token_ids.extend(token_ids)
-            request, self._opened = self._first, True
-        await self._call.write(request)
-        return True
-
-    async def read(self) -> str:
-        """The text delta of the oldest write not read yet."""
-        reply = await self._call.read()
-        if reply is grpc.aio.EOF:
-            raise errors.OpenAIError("tokenizer closed the Detokenize stream early", 502)
-        return reply.text_delta
-
-    async def finish(self) -> str:
-        """Half-closes the stream and returns any text the tokenizer still held; call it after
-        reading the reply of the last write."""
-        if not self._opened:
-            return ""
-        await self._call.done_writing()
-        tail = ""
-        while (reply := await self._call.read()) is not grpc.aio.EOF:
-            tail += reply.text_delta
-        return tail
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-
 def _named(error: errors.OpenAIError, params: GenerationParams) -> errors.OpenAIError:
     """A refusal (400) names the client's field, not the engine's."""
     if error.status == 400:
@@ -134,33 +80,28 @@ def _named(error: errors.OpenAIError, params: GenerationParams) -> errors.OpenAI
 
 async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
                      eos_token_ids: frozenset[int]) -> AsyncIterator[Step]:
-    """Each engine output's ids go to the tokenizer as soon as this task reads the output, and its step
-    follows the tokenizer's reply. The steps' consumer runs in a task of its own (`FanOut`), so this
-    one reads the next output at once; one task per choice (a feeder task before it cost each token
-    a second wake-up)."""
+    """Each engine output's ids become text as soon as this task reads the output. The steps'
+    consumer runs in a task of its own (`FanOut`), so this one reads the next output at once."""
     generate = upstream.generate(spec.request)
-    detokenizer = _open_detokenizer(upstream, spec.prompt_ids, params.skip_special_tokens)
+    detokenizer = upstream.decoder.detokenizer(params.skip_special_tokens, spec.prompt_ids[-_DETOKENIZE_PREFIX_IDS:])
     outputs = aiter(generate)
     matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
     num_tokens = 0
     try:
         while True:
-            where = "engine"
             try:
                 output = await anext(outputs, None)
-                if output is None:
-                    raise errors.OpenAIError("engine ended the stream without a finish reason", 502)
-                where = "tokenizer"
-                has_reply = await detokenizer.write(output.token_ids)
             except grpc.RpcError as error:
-                raise _named(errors.from_grpc(error, where), params) from None
+                raise _named(errors.from_grpc(error, "engine"), params) from None
             except errors.OpenAIError as error:
                 raise _named(error, params) from None
+            if output is None:
+                raise errors.OpenAIError("engine ended the stream without a finish reason", 502)
             num_tokens += len(output.token_ids)
-            text = await detokenizer.read() if has_reply else ""
+            text = detokenizer.step(output.token_ids)
             finish = _FINISH_REASONS.get(output.finish_reason)
             if finish is not None:
-                text += await detokenizer.finish()
+                text += detokenizer.flush()
             match = matcher.feed(text, can_stop=num_tokens >= params.min_tokens)
             step = Step(spec.index, match.text, list(output.token_ids), list(output.logprobs),
                         prompt_tokens=output.usage.prompt_tokens or len(spec.prompt_ids),
@@ -180,11 +121,8 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
                 yield step
                 return
             yield step
-    except grpc.RpcError as error:  # reading the tokenizer's replies
-        raise errors.from_grpc(error, "tokenizer") from None
     finally:
         generate.cancel()
-        detokenizer.cancel()
 
 
 class FanOut:

@@ -80,10 +80,10 @@ class Renderer(Protocol):
     def preamble(self, indices: list[int]) -> list[dict]:
         """Choice entries streamed before any token (chat: the role; completions: echo)."""
 
-    async def stream_choice(self, step: Step) -> dict | None:
+    def stream_choice(self, step: Step) -> dict | None:
         """The choice entry of one step's chunk, or None when there is nothing to send."""
 
-    async def full_choice(self, result: ChoiceResult) -> dict:
+    def full_choice(self, result: ChoiceResult) -> dict:
         """One choice of the non-streamed response."""
 
 
@@ -253,7 +253,7 @@ async def _collect(ctx: RequestContext, renderer: Renderer, fanout: FanOut, usag
         result.logprobs.extend(step.logprobs)
         if step.finish_reason is not None:
             result.finish_reason, result.stop_reason = step.finish_reason, step.stop_reason
-    choices = [await renderer.full_choice(result) for result in results]
+    choices = [renderer.full_choice(result) for result in results]
     return {"id": ctx.response_id, "object": renderer.response_object, "created": ctx.created,
             "model": ctx.model, "choices": choices, "usage": usage.as_dict()}
 
@@ -294,7 +294,7 @@ async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Rende
         while step is not None:
             usage.update(step)
             recorder.step(step)
-            choice = await renderer.stream_choice(step)
+            choice = renderer.stream_choice(step)
             if choice is not None:
                 yield chunk([choice])
                 recorder.chunk_sent()  # resumed: the chunk is out

@@ -18,8 +18,8 @@ from services.common.pb import engine_pb2, engine_pb2_grpc, tokenizer_pb2, token
 from services.common.shared_generate import SharedGenerate
 from services.common.shared_stream import in_sampled_trace
 from services.common.tls import TlsFiles, aio_channel
+from services.common.token_decoder import TokenDecoder
 from services.gateway import errors
-from services.gateway.shared_detokenize import SharedDetokenize
 from services.gateway.validation import ModelFacts
 
 MAX_MESSAGE_BYTES = 64 << 20  # the tokenizer's and the engine's servers accept as much
@@ -27,7 +27,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-_MAX_CONCURRENT_DECODES = 32
 _ENGINE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name + "/"
 _TOKENIZER = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name + "/"
 
@@ -46,9 +45,8 @@ class Upstream:
         self.generate_timeout_s = generate_timeout_s
         self._served_model_name = served_model_name
         self._facts: ModelFacts | None = None
-        self._token_texts: dict[int, str] = {}
-        self._decode_slots = asyncio.Semaphore(_MAX_CONCURRENT_DECODES)
-        self.shared_detokenize = SharedDetokenize(lambda: self.tokenizer.DetokenizeMany())
+        self._fetching_facts = asyncio.Lock()
+        self._decoder: TokenDecoder | None = None
         self._shared_generate = SharedGenerate(lambda: self.engine.GenerateMany(), "engine", generate_timeout_s)
 
     def generate(self, request: engine_pb2.GenerateRequest):
@@ -61,32 +59,41 @@ class Upstream:
         return client_span.call(_ENGINE + "Generate", self._addresses["engine"], lambda metadata: self.engine.Generate(
             request, timeout=self.generate_timeout_s, metadata=metadata))
 
-    def detokenize(self):
-        """A Detokenize bidi stream to the tokenizer."""
-        return client_span.call(_TOKENIZER + "Detokenize", self._addresses["tokenizer"],
-                                lambda metadata: self.tokenizer.Detokenize(timeout=self.generate_timeout_s,
-                                                                           metadata=metadata))
-
     async def close(self) -> None:
-        self.shared_detokenize.close()
         self._shared_generate.close("the gateway is closing its upstream streams")
         await asyncio.gather(self._tokenizer_channel.close(), self._engine_channel.close())
 
     async def facts(self) -> ModelFacts:
-        """The served model's facts, fetched once from the engine and the tokenizer."""
+        """The served model's facts, fetched once from the engine and the tokenizer, with the
+        tokenizer's decoder (`decoder`)."""
         if self._facts is None:
-            engine_info, tokenizer_info = await asyncio.gather(
-                self._unary("engine", "Info", engine_pb2.EngineInfoRequest(), 5.0),
-                self._unary("tokenizer", "Info", tokenizer_pb2.TokenizerInfoRequest(), 5.0))
-            self._facts = ModelFacts(
-                name=self._served_model_name or engine_info.model,
-                max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
-                eos_token_ids=frozenset(tokenizer_info.eos_token_ids),
-                generate_many=engine_info.generate_many,
-                default_max_tokens=engine_info.default_max_tokens if engine_info.HasField("default_max_tokens") else None,
-                default_temperature=(engine_info.default_temperature if engine_info.HasField("default_temperature")
-                                     else 1.0))
+            async with self._fetching_facts:
+                if self._facts is None:
+                    self._facts = await self._fetch_facts()
         return self._facts
+
+    async def _fetch_facts(self) -> ModelFacts:
+        engine_info, tokenizer_info, decoder = await asyncio.gather(
+            self._unary("engine", "Info", engine_pb2.EngineInfoRequest(), 5.0),
+            self._unary("tokenizer", "Info", tokenizer_pb2.TokenizerInfoRequest(), 5.0),
+            self._unary("tokenizer", "Decoder", tokenizer_pb2.DecoderRequest()))
+        self._decoder = await asyncio.to_thread(TokenDecoder.from_proto, decoder)
+        return ModelFacts(
+            name=self._served_model_name or engine_info.model,
+            max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
+            eos_token_ids=frozenset(tokenizer_info.eos_token_ids),
+            generate_many=engine_info.generate_many,
+            default_max_tokens=engine_info.default_max_tokens if engine_info.HasField("default_max_tokens") else None,
+            default_temperature=(engine_info.default_temperature if engine_info.HasField("default_temperature")
+                                 else 1.0))
+
+    @property
+    def decoder(self) -> TokenDecoder:
+        """The tokenizer's decoding, run here: a generation's ids become text in this process, as the
+        tokenizer's Detokenize would make them, without a message there and back per token. Fetched
+        with the facts; await `facts()` first."""
+        assert self._decoder is not None, "await facts() before decoding"
+        return self._decoder
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         request = tokenizer_pb2.EncodeRequest(text=text, add_special_tokens=add_special_tokens)
@@ -109,16 +116,9 @@ class Upstream:
         request = tokenizer_pb2.TokenStringsRequest(token_ids=token_ids)
         return list((await self._unary("tokenizer", "TokenStrings", request)).tokens)
 
-    async def token_texts(self, token_ids: set[int]) -> dict[int, str]:
-        """The text of each single token (special tokens included), as logprobs show it; cached."""
-        missing = [i for i in token_ids if i not in self._token_texts]
-
-        async def fetch(token_id: int) -> None:
-            async with self._decode_slots:
-                self._token_texts[token_id] = await self.decode([token_id], skip_special_tokens=False)
-
-        await asyncio.gather(*(fetch(i) for i in missing))
-        return {i: self._token_texts[i] for i in token_ids}
+    def token_texts(self, token_ids: set[int]) -> dict[int, str]:
+        """The text of each single token (special tokens included), as logprobs show it."""
+        return {i: self.decoder.decode([i], skip_special_tokens=False) for i in token_ids}
 
     async def health(self) -> dict[str, bool]:
         """Whether each upstream's gRPC health check answers SERVING."""

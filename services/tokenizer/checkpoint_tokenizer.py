@@ -19,13 +19,13 @@ from tokenizers import AddedToken, Tokenizer
 
 from services.common import checkpoint_facts
 from services.common.errors import InvalidRequestError
+from services.common.token_decoder import TokenDecoder
 from services.tokenizer.chat_template import (
     DEFAULT_TEMPLATE_LIMITS,
     DEFAULT_TEMPLATE_NAME,
     load_chat_templates,
     render_chat,
 )
-from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.template_budget import TemplateLimits
 from services.tokenizer.transformers_loading import loads_as_llama_tokenizer, rebuild_as_llama_tokenizer
 
@@ -51,8 +51,7 @@ class CheckpointTokenizer:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     chat_templates: Mapping[str, str]
-    special_ids: frozenset[int]  # what skip_special_tokens leaves out
-    byte_fallback_ids: frozenset[int]  # the <0xNN> ids, when the decoder has ByteFallback
+    decoder: TokenDecoder  # the backend with the ids incremental detokenization treats apart
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "CheckpointTokenizer":
@@ -67,17 +66,20 @@ class CheckpointTokenizer:
         special_tokens = _register_special_tokens(backend, tokenizer_config)
         bos_token_id = _token_id(backend, special_tokens.get("bos_token"))
         eos_token_ids = checkpoint_facts.eos_token_ids(model_dir, backend.token_to_id)
+        vocab_size = backend.get_vocab_size(with_added_tokens=True)
         return cls(
             model=str(model_dir),
             backend=backend,
-            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            vocab_size=vocab_size,
             special_tokens=special_tokens,
             bos_token_id=bos_token_id,
             eos_token_ids=eos_token_ids,
             max_model_len=checkpoint_facts.max_model_len(model_dir),
             chat_templates=load_chat_templates(model_dir, tokenizer_config),
-            special_ids=frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special),
-            byte_fallback_ids=_byte_fallback_ids(backend),
+            decoder=TokenDecoder(
+                backend, vocab_size,
+                special_ids=frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special),
+                byte_fallback_ids=_byte_fallback_ids(backend)),
         )
 
     @property
@@ -109,22 +111,13 @@ class CheckpointTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
         self.check_ids(token_ids)
-        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.decoder.decode(token_ids, skip_special_tokens)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's string in the vocabulary (convert_ids_to_tokens); "" for an id below the model's
         vocabulary size that the tokenizer does not have."""
         self.check_ids(token_ids)
         return [self.backend.id_to_token(i) or "" for i in token_ids]
-
-    def detokenizer(self, skip_special_tokens: bool, prefix_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
-        """An incremental decoder of one generation whose text continues after `prefix_ids`."""
-        return IncrementalDetokenizer(
-            lambda ids: self.decode(ids, skip_special_tokens),
-            prefix_ids,
-            byte_fallback_ids=self.byte_fallback_ids,
-            dropped_ids=self.special_ids if skip_special_tokens else frozenset(),
-        )
 
     def check_ids(self, token_ids: Sequence[int]) -> None:
         if token_ids and max(token_ids) >= self.vocab_size:

@@ -1,7 +1,7 @@
 """The tokenizer's Prometheus metrics (``strata:tokenizer_*``), served on ``--metrics-port``
 (`services.common.metrics_http`): how many calls of each RPC it answered and how, how long the
 one-shot ones took, the tokens it produced and turned back into text, and the open Detokenize
-streams (one per generation in flight at the gateway)."""
+streams (the gateway detokenizes in-process, with the tokenizer's `Decoder`: these are other callers')."""
 
 import asyncio
 import time
@@ -22,13 +22,12 @@ class TokenizerMetrics:
                                 ["rpc", "outcome"],
                                 registry=self.registry)
         self.duration = Histogram("strata:tokenizer_request_duration_seconds", "Time to answer one Encode, "
-                                  "EncodeChat, Decode or TokenStrings call.", ["rpc"], buckets=_DURATION_BUCKETS,
+                                  "EncodeChat, Decode, TokenStrings or Decoder call.", ["rpc"], buckets=_DURATION_BUCKETS,
                                   registry=self.registry)
         self.tokens = Counter("strata:tokenizer_tokens", "Token ids produced (direction=encoded: Encode and "
                               "EncodeChat) or turned into text (direction=decoded: Decode and Detokenize).",
                               ["direction"], registry=self.registry)
-        self.detokenize_streams = Gauge("strata:tokenizer_detokenize_streams", "Generations being detokenized now "
-                                        "(Detokenize streams and DetokenizeMany generations).",
+        self.detokenize_streams = Gauge("strata:tokenizer_detokenize_streams", "Detokenize streams open now.",
                                         registry=self.registry)
 
     @contextmanager

@@ -3,9 +3,8 @@
 Errors are raised, never caught here: `services.common.grpc_server` maps them to status codes.
 Detokenize answers each request message with one response (its delta may be empty while a
 character is unfinished); when the client closes its side, one last response carries whatever
-text was still held back. DetokenizeMany does the same for many generations over one stream: one
-response per request message, one delta per item; an item with ``end`` also carries what its
-generation still held back, and closes it.
+text was still held back. Decoder hands out the checkpoint's decoding (`TokenDecoder`), with
+which a caller such as the gateway detokenizes in-process exactly as Detokenize does.
 """
 
 import asyncio
@@ -22,7 +21,6 @@ from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.tls import TlsFiles
 from services.tokenizer.chat_template import DEFAULT_TEMPLATE_LIMITS
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
-from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.template_budget import MAX_REQUEST_TEMPLATE_CHARS, TemplateLimits
 
@@ -97,9 +95,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 async for request in request_iterator:
                     if detokenizer is None:
                         prefix = list(request.prefix_token_ids)
-                        detokenizer = self._tokenizer.detokenizer(request.skip_special_tokens, prefix)
-                    delta = detokenizer.step(list(request.token_ids))
-                    decoded.inc(len(request.token_ids))
+                        self._tokenizer.check_ids(prefix)
+                        detokenizer = self._tokenizer.decoder.detokenizer(request.skip_special_tokens, prefix)
+                    ids = list(request.token_ids)
+                    self._tokenizer.check_ids(ids)
+                    delta = detokenizer.step(ids)
+                    decoded.inc(len(ids))
                     yield tokenizer_pb2.DetokenizeResponse(text_delta=delta,
                                                            num_token_ids=detokenizer.num_emitted_ids)
                 if detokenizer is not None:
@@ -110,38 +111,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         finally:
             self.metrics.detokenize_streams.dec()
 
-    async def DetokenizeMany(self, request_iterator, context) -> AsyncIterator[tokenizer_pb2.DetokenizeManyResponse]:
-        generations: dict[int, IncrementalDetokenizer] = {}
-        try:
-            with self.metrics.answering("DetokenizeMany", timed=False):
-                async for request in request_iterator:
-                    yield tokenizer_pb2.DetokenizeManyResponse(
-                        deltas=[self._detokenize_item(generations, item) for item in request.items])
-        finally:
-            self.metrics.detokenize_streams.dec(len(generations))
-
-    def _detokenize_item(self, generations: dict[int, IncrementalDetokenizer],
-                         item: tokenizer_pb2.DetokenizeItem) -> tokenizer_pb2.DetokenizeDelta:
-        """One item of a DetokenizeMany message: a new id opens its generation; ``end``, or a failure
-        (its own: the stream's other generations go on), closes it."""
-        detokenizer = generations.get(item.generation_id)
-        if detokenizer is None:
-            detokenizer = self._tokenizer.detokenizer(item.skip_special_tokens, list(item.prefix_token_ids))
-            generations[item.generation_id] = detokenizer
-            self.metrics.detokenize_streams.inc()
-        try:
-            delta = detokenizer.step(list(item.token_ids))
-            if item.end:
-                delta += detokenizer.flush()
-        except Exception as exc:
-            reply = tokenizer_pb2.DetokenizeDelta(error=str(exc) or type(exc).__name__)
-        else:
-            self.metrics.tokens.labels("decoded").inc(len(item.token_ids))
-            reply = tokenizer_pb2.DetokenizeDelta(text_delta=delta, num_token_ids=detokenizer.num_emitted_ids)
-        if item.end or reply.error:
-            del generations[item.generation_id]
-            self.metrics.detokenize_streams.dec()
-        return reply
+    async def Decoder(self, request, context) -> tokenizer_pb2.DecoderResponse:
+        with self.metrics.answering("Decoder"):
+            return await self._run(self._tokenizer.decoder.to_proto)
 
     async def Info(self, request, context) -> tokenizer_pb2.TokenizerInfoResponse:
         tokenizer = self._tokenizer

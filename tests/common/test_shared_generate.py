@@ -57,6 +57,25 @@ def test_outputs_reach_their_request_and_an_error_reads_as_the_requests_own_stat
     assert len(calls) == 1 and calls[0].half_closed
 
 
+def test_requests_queued_during_a_write_go_out_together_as_the_next_message():
+    async def run():
+        calls = []
+        shared = SharedGenerate(lambda: calls.append(ScriptedCall(three_tokens_each)) or calls[-1])
+        first = shared.generate(engine_pb2.GenerateRequest(request_id="r0"))
+        calls[0].gate.clear()  # the first message's write waits: what the others queue meanwhile goes next
+        await asyncio.sleep(0.01)
+        rest = [shared.generate(engine_pb2.GenerateRequest(request_id=f"r{k}")) for k in range(1, 10)]
+        calls[0].gate.set()
+        tokens = [[t async for output in call for t in output.token_ids] for call in [first, *rest]]
+        await asyncio.sleep(0.01)
+        return calls, tokens
+
+    calls, tokens = asyncio.run(run())
+    assert len(calls) == 1 and tokens == [[0, 1, 2]] * 10
+    assert [len(message.requests) for message in calls[0].written if message.requests] == [1, 9]
+    assert calls[0].half_closed  # the last request left: the stream is closed
+
+
 def test_a_request_past_its_deadline_gets_deadline_exceeded_and_is_aborted():
     async def run():
         calls = []

@@ -29,13 +29,12 @@ from tests.e2e.conftest import MODEL
 
 GATEWAY, TOKENIZER, ROUTER, ENGINE = "strata-gateway", "strata-tokenizer", "strata-router", "strata-engine"
 ROOT, GENERATE = "POST /v1/chat/completions", "strata.v1.Engine/Generate"
-ENCODE_CHAT, DETOKENIZE = "strata.v1.Tokenizer/EncodeChat", "strata.v1.Tokenizer/Detokenize"
+ENCODE_CHAT = "strata.v1.Tokenizer/EncodeChat"
 STEP = "engine.step"
 CLIENT, SERVER = "CLIENT", "SERVER"
 # (service, span name, kind) of one chat request's spans
 EXPECTED = {(GATEWAY, ROOT, SERVER),
             (GATEWAY, ENCODE_CHAT, CLIENT), (TOKENIZER, ENCODE_CHAT, SERVER),
-            (GATEWAY, DETOKENIZE, CLIENT), (TOKENIZER, DETOKENIZE, SERVER),
             (GATEWAY, GENERATE, CLIENT), (ROUTER, GENERATE, SERVER),
             (ROUTER, GENERATE, CLIENT), (ENGINE, GENERATE, SERVER)}
 
@@ -170,10 +169,9 @@ def test_every_hop_is_a_client_span_over_the_callees_server_span(traced_stack):
     assert EXPECTED <= set(by_key), EXPECTED - set(by_key)
     root = by_key[GATEWAY, ROOT, SERVER]
     assert root.parent_id == client_span_id and traceresponse(response) == (trace_id, root.span_id)
-    for name in (ENCODE_CHAT, DETOKENIZE, GENERATE):  # the gateway's calls, under its root
+    for name in (ENCODE_CHAT, GENERATE):  # the gateway's calls, under its root
         assert by_key[GATEWAY, name, CLIENT].parent_id == root.span_id, name
     for callee, caller in (((TOKENIZER, ENCODE_CHAT), (GATEWAY, ENCODE_CHAT)),
-                           ((TOKENIZER, DETOKENIZE), (GATEWAY, DETOKENIZE)),
                            ((ROUTER, GENERATE), (GATEWAY, GENERATE)), ((ENGINE, GENERATE), (ROUTER, GENERATE))):
         assert by_key[(*callee, SERVER)].parent_id == by_key[(*caller, CLIENT)].span_id, callee
     assert by_key[ROUTER, GENERATE, CLIENT].parent_id == by_key[ROUTER, GENERATE, SERVER].span_id

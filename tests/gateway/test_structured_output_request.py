@@ -7,23 +7,21 @@ comes back as `tool_calls`, streamed and not, in shapes the `openai` client read
 The HTTP tests run the real app on a scripted upstream: the engine's output is a text given per test,
 token by token."""
 
-import asyncio
 import json
 
-import grpc
 import pytest
 from fastapi.testclient import TestClient
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from services.common.pb import engine_pb2, tokenizer_pb2
+from services.common.detokenizer import IncrementalDetokenizer
+from services.common.pb import engine_pb2
 from services.gateway import sse
 from services.gateway.app import GatewayConfig, create_app
 from services.gateway.errors import OpenAIError
 from services.gateway.forced_tool_calls import ForcedToolCalls
 from services.gateway.generation import plan_choices
 from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.shared_detokenize import SharedDetokenize
 from services.gateway.tools import validate_tools
 from services.gateway.validation import ModelFacts
 from tests.gateway.test_validation import chat, completion, refused
@@ -189,16 +187,15 @@ def test_bad_tool_choices_are_400(fields, param, message):
 # --- the app on a scripted upstream ---
 
 class ScriptedUpstream:
-    """The engine answers every Generate with ``text``, one character per token (ids index ``pieces``);
-    the tokenizer detokenizes them back (on the shared stream, or a traced request's own). Records the
-    Generate requests."""
+    """The engine answers every Generate with ``text``, one character per token (ids index ``pieces``),
+    which the decoder turns back into text. Records the Generate requests."""
 
     def __init__(self) -> None:
         self.text = ""
         self.finish_reason = engine_pb2.FINISH_REASON_STOP
         self.requests: list[engine_pb2.GenerateRequest] = []
         self.pieces: list[str] = []
-        self.shared_detokenize = SharedDetokenize(lambda: _DetokenizeMany(self.pieces))
+        self.decoder = _PieceDecoder(self.pieces)
 
     async def facts(self) -> ModelFacts:
         return ModelFacts(name="tiny", max_model_len=1000)
@@ -223,9 +220,6 @@ class ScriptedUpstream:
             yield engine_pb2.GenerateResponse(token_ids=[token_id], finish_reason=self.finish_reason if last else 0,
                                               usage=engine_pb2.Usage(prompt_tokens=3, completion_tokens=i + 1))
 
-    def detokenize(self):  # a traced request's own stream
-        return _Detokenize(self.pieces)
-
 
 class _Call:
     def __init__(self, outputs) -> None:
@@ -238,43 +232,12 @@ class _Call:
         pass
 
 
-class _Detokenize:
+class _PieceDecoder:
     def __init__(self, pieces: list[str]) -> None:
         self._pieces = pieces
-        self._replies: asyncio.Queue = asyncio.Queue()
 
-    async def write(self, request) -> None:
-        self._replies.put_nowait(tokenizer_pb2.DetokenizeResponse(
-            text_delta="".join(self._pieces[i] for i in request.token_ids)))
-
-    async def read(self):
-        return self._replies.get_nowait() if not self._replies.empty() else grpc.aio.EOF
-
-    async def done_writing(self) -> None:
-        pass
-
-    def cancel(self) -> None:
-        pass
-
-
-class _DetokenizeMany:
-    def __init__(self, pieces: list[str]) -> None:
-        self._pieces = pieces
-        self._replies: asyncio.Queue = asyncio.Queue()
-
-    async def write(self, request) -> None:
-        self._replies.put_nowait(tokenizer_pb2.DetokenizeManyResponse(deltas=[
-            tokenizer_pb2.DetokenizeDelta(text_delta="".join(self._pieces[i] for i in item.token_ids))
-            for item in request.items]))
-
-    async def read(self):
-        return await self._replies.get()
-
-    async def done_writing(self) -> None:
-        self._replies.put_nowait(grpc.aio.EOF)
-
-    def cancel(self) -> None:
-        pass
+    def detokenizer(self, skip_special_tokens: bool, prefix_ids) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(lambda ids: "".join(self._pieces[i] for i in ids))
 
 
 @pytest.fixture(scope="module")

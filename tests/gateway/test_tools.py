@@ -3,7 +3,6 @@ the chat chunks and responses it yields (validated as the `openai` client's own 
 request rules (vLLM's messages for tool_choice). Forced tool choices ("required", a named function):
 tests/gateway/test_structured_output_request.py."""
 
-import asyncio
 import json
 
 import pytest
@@ -70,7 +69,7 @@ def test_streamed_chunks_and_response_are_what_the_openai_client_reads():
     chunks = []
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
-        choice = asyncio.run(renderer.stream_choice(Step(index=0, text=piece, finish_reason="stop" if last else None)))
+        choice = renderer.stream_choice(Step(index=0, text=piece, finish_reason="stop" if last else None))
         if choice is not None:
             chunks.append(ChatCompletionChunk.model_validate(
                 {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}))
@@ -81,7 +80,7 @@ def test_streamed_chunks_and_response_are_what_the_openai_client_reads():
         (0, "get_weather", {"city": "Paris"})]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
-    full = asyncio.run(renderer.full_choice(ChoiceResult(index=0, text=TWO_CALLS, finish_reason="stop")))
+    full = renderer.full_choice(ChoiceResult(index=0, text=TWO_CALLS, finish_reason="stop"))
     response = ChatCompletion.model_validate({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
                                               "choices": [full]})
     message = response.choices[0].message
@@ -91,7 +90,7 @@ def test_streamed_chunks_and_response_are_what_the_openai_client_reads():
 
 def test_a_choice_cut_by_length_keeps_its_finish_reason():
     renderer = ChatRenderer(upstream=None, with_logprobs=False, parses_tool_calls=True)
-    full = asyncio.run(renderer.full_choice(ChoiceResult(index=0, text=TWO_CALLS, finish_reason="length")))
+    full = renderer.full_choice(ChoiceResult(index=0, text=TWO_CALLS, finish_reason="length"))
     assert full["finish_reason"] == "length" and len(full["message"]["tool_calls"]) == 2
 
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
+from services.common.detokenizer import IncrementalDetokenizer
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
-from services.tokenizer.detokenizer import IncrementalDetokenizer
 
 HARD_TEXTS = [
     "中文 café 😀 👨‍👩‍👧‍👦 🇫🇷", "你好，世界！日本語のテキスト한국어", "emoji👍in😀the🎉middle ❤️✨🔥", "Zażółć gęślą jaźń ∑π→",
@@ -70,7 +70,7 @@ def test_joined_deltas_equal_decode_and_never_split_a_character(tokenizer, skip_
     sequences = _random_sequences(tokenizer, 250, seed=int(skip_special_tokens))
     assert any("\ufffd" in tokenizer.decode(ids, skip_special_tokens) for ids in sequences)  # the hard case occurs
     for ids in sequences:
-        detokenizer = tokenizer.detokenizer(skip_special_tokens)
+        detokenizer = tokenizer.decoder.detokenizer(skip_special_tokens)
         emitted = ""
         for chunk in _chunks(ids, rng):
             emitted += detokenizer.step(chunk)
@@ -85,9 +85,9 @@ def test_an_unfinished_character_is_held_until_complete(tokenizer):
     a, b = tokenizer.backend.token_to_id("a"), tokenizer.backend.token_to_id("b")
     ids = [a, *_byte_ids(tokenizer, "😀".encode()), b]
     assert tokenizer.decode(ids, False) == "a😀b"
-    detokenizer = tokenizer.detokenizer(False)
+    detokenizer = tokenizer.decoder.detokenizer(False)
     deltas = [detokenizer.step([i]) for i in ids]
-    if tokenizer.byte_fallback_ids:  # a run of <0xNN> ids has its text once an id with text ends it
+    if tokenizer.decoder.byte_fallback_ids:  # a run of <0xNN> ids has its text once an id with text ends it
         assert deltas == ["a", "", "", "", "", "😀b"]
     else:
         assert deltas == ["a", "", "", "", "😀", "b"]
@@ -96,9 +96,9 @@ def test_an_unfinished_character_is_held_until_complete(tokenizer):
 
 def test_invalid_bytes_are_emitted_once_final(tokenizer):
     [lead] = _byte_ids(tokenizer, b"\xe4")
-    detokenizer = tokenizer.detokenizer(False)
+    detokenizer = tokenizer.decoder.detokenizer(False)
     deltas = [detokenizer.step([lead]) for _ in range(4)]
-    if tokenizer.byte_fallback_ids:
+    if tokenizer.decoder.byte_fallback_ids:
         # ByteFallback decodes the run as a whole (one U+FFFD per byte when it is not UTF-8), so
         # its text is final once an id with text ends the run.
         assert deltas == ["", "", "", ""]
@@ -115,7 +115,7 @@ def test_skipped_special_tokens_neither_end_nor_split_a_byte_run(sentencepiece_s
     ids = [first, tokenizer.eos_token_ids[0], *rest, tokenizer.backend.token_to_id("a")]
     for skip_special_tokens, expected in ((True, ["", "", "", "", "中a"]),
                                           (False, ["", "\ufffd</s>", "", "", "\ufffd\ufffda"])):
-        detokenizer = tokenizer.detokenizer(skip_special_tokens)
+        detokenizer = tokenizer.decoder.detokenizer(skip_special_tokens)
         assert [detokenizer.step([i]) for i in ids] == expected
         assert "".join(expected) == tokenizer.decode(ids, skip_special_tokens)
 
@@ -123,7 +123,7 @@ def test_skipped_special_tokens_neither_end_nor_split_a_byte_run(sentencepiece_s
 def test_prefix_gives_context_but_no_text(tokenizer):
     prefix = tokenizer.encode("The prompt, 中文", False)
     ids = tokenizer.encode(" and the answer 😀", False)
-    detokenizer = tokenizer.detokenizer(False, prefix)
+    detokenizer = tokenizer.decoder.detokenizer(False, prefix)
     text = "".join(detokenizer.step([i]) for i in ids) + detokenizer.flush()
     assert text == " and the answer 😀"
 
@@ -137,11 +137,11 @@ def test_each_step_decodes_a_window_not_the_sequence(tokenizer):
 
     ids = tokenizer.encode(" ".join(HARD_TEXTS) * 50, False)
     assert len(ids) > 1000
-    detokenizer = IncrementalDetokenizer(decode, byte_fallback_ids=tokenizer.byte_fallback_ids)
+    detokenizer = IncrementalDetokenizer(decode, byte_fallback_ids=tokenizer.decoder.byte_fallback_ids)
     text = "".join(detokenizer.step([i]) for i in ids) + detokenizer.flush()
     assert text == tokenizer.decode(ids, False)
     # The window also holds a run of byte-fallback ids until it ends (25 for the family emoji).
-    assert max(decoded_lengths) <= 12 + _longest_run(ids, tokenizer.byte_fallback_ids)
+    assert max(decoded_lengths) <= 12 + _longest_run(ids, tokenizer.decoder.byte_fallback_ids)
 
 
 def _longest_run(ids: list[int], members: frozenset[int]) -> int:

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.pb import tokenizer_pb2 as pb
+from services.common.token_decoder import TokenDecoder
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from tests.processes import TokenizerProcess
 
@@ -187,52 +188,27 @@ def test_metrics_count_calls_outcomes_tokens_and_open_streams(default_server):
     assert after["strata:tokenizer_detokenize_streams"] == 0
 
 
-def test_detokenize_many_interleaves_generations_as_their_own_streams_would(default_server, default_model_dir):
-    """Several generations on one DetokenizeMany stream, their ids split differently and interleaved:
-    each one's deltas equal what its own Detokenize stream answers, an item with `end` carries the
-    held-back rest, and an id out of the vocabulary fails only its own generation."""
+def test_a_decoder_from_the_decoder_rpc_detokenizes_as_the_detokenize_stream_does(default_server, default_model_dir):
+    """What the gateway does with the Decoder reply (`TokenDecoder.from_proto`) gives each generation,
+    its ids split differently, with a prompt prefix and either skip_special_tokens, the deltas the
+    service's own Detokenize stream answers."""
     tokenizer = CheckpointTokenizer.from_dir(default_model_dir)
+    decoder = TokenDecoder.from_proto(default_server.stub.Decoder(pb.DecoderRequest()))
+    assert decoder.vocab_size == tokenizer.vocab_size and decoder.special_ids == tokenizer.decoder.special_ids
     rng = random.Random(5)
     real = tokenizer.encode("中文 café 😀 👨‍👩‍👧‍👦 and <|im_end|> done", False)
-    generations = {}
-    for generation_id in range(1, 7):
+    for _ in range(8):
         ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 6))] + real[rng.randrange(5):]
-        size = rng.randint(1, 3)
-        generations[generation_id] = ([ids[i:i + size] for i in range(0, len(ids), size)], rng.random() < 0.5,
-                                      real[:rng.randint(0, 4)])
-    messages, order = [], []  # order: per message, the generation of each item
-    pending = {g: list(chunks) for g, (chunks, _, _) in generations.items()}
-    started = set()
-    while pending:
-        message = pb.DetokenizeManyRequest()
-        for g in rng.sample(sorted(pending), rng.randint(1, len(pending))):
-            chunks, skip, prefix = generations[g]
-            item = message.items.add(generation_id=g, end=not pending[g])
-            if pending[g]:
-                item.token_ids.extend(pending[g].pop(0))
-            if g not in started:
-                item.skip_special_tokens, item.prefix_token_ids[:] = skip, prefix
-                started.add(g)
-            if item.end:
-                del pending[g]
-        messages.append(message)
-        order.append([item.generation_id for item in message.items])
-    bad = pb.DetokenizeManyRequest(items=[pb.DetokenizeItem(generation_id=99, token_ids=[10**9]),
-                                          pb.DetokenizeItem(generation_id=98, token_ids=real, end=True)])
-    replies = list(default_server.stub.DetokenizeMany(iter([*messages, bad])))
-
-    assert [len(reply.deltas) for reply in replies] == [len(m.items) for m in messages] + [2]
-    texts = {g: "" for g in generations}
-    for generations_in, reply in zip(order, replies):
-        for g, delta in zip(generations_in, reply.deltas):
-            assert not delta.error
-            texts[g] += delta.text_delta
-    for g, (chunks, skip, prefix) in generations.items():
+        size, skip, prefix = rng.randint(1, 3), rng.random() < 0.5, real[:rng.randint(0, 4)]
+        chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
         own = list(default_server.stub.Detokenize(iter(
-            [pb.DetokenizeRequest(token_ids=chunks[0] if chunks else [], skip_special_tokens=skip,
-                                  prefix_token_ids=prefix)]
+            [pb.DetokenizeRequest(token_ids=chunks[0], skip_special_tokens=skip, prefix_token_ids=prefix)]
             + [pb.DetokenizeRequest(token_ids=chunk) for chunk in chunks[1:]])))
-        assert texts[g] == "".join(r.text_delta for r in own)
-    assert "out of range" in replies[-1].deltas[0].error
-    assert replies[-1].deltas[1].text_delta == tokenizer.decode(real, False)
+        local = decoder.detokenizer(skip, prefix)
+        deltas = [local.step(chunk) for chunk in chunks]
+        deltas[-1] += local.flush()
+        served = [reply.text_delta for reply in own]
+        if len(served) > len(chunks):  # the held-back rest comes in a reply of its own after the last ids'
+            served[-2:] = ["".join(served[-2:])]
+        assert deltas == served
     assert _tokenizer_metrics(default_server)["strata:tokenizer_detokenize_streams"] == 0

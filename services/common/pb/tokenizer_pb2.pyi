@@ -117,41 +117,21 @@ class DetokenizeResponse(_message.Message):
     num_token_ids: int
     def __init__(self, text_delta: _Optional[str] = ..., num_token_ids: _Optional[int] = ...) -> None: ...
 
-class DetokenizeItem(_message.Message):
-    __slots__ = ("generation_id", "token_ids", "skip_special_tokens", "prefix_token_ids", "end")
-    GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    END_FIELD_NUMBER: _ClassVar[int]
-    generation_id: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    skip_special_tokens: bool
-    prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    end: bool
-    def __init__(self, generation_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., end: _Optional[bool] = ...) -> None: ...
+class DecoderRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
-class DetokenizeManyRequest(_message.Message):
-    __slots__ = ("items",)
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[DetokenizeItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[DetokenizeItem, _Mapping]]] = ...) -> None: ...
-
-class DetokenizeDelta(_message.Message):
-    __slots__ = ("text_delta", "num_token_ids", "error")
-    TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    text_delta: str
-    num_token_ids: int
-    error: str
-    def __init__(self, text_delta: _Optional[str] = ..., num_token_ids: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
-
-class DetokenizeManyResponse(_message.Message):
-    __slots__ = ("deltas",)
-    DELTAS_FIELD_NUMBER: _ClassVar[int]
-    deltas: _containers.RepeatedCompositeFieldContainer[DetokenizeDelta]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[DetokenizeDelta, _Mapping]]] = ...) -> None: ...
+class DecoderResponse(_message.Message):
+    __slots__ = ("tokenizer_json", "vocab_size", "special_token_ids", "byte_fallback_token_ids")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BYTE_FALLBACK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: str
+    vocab_size: int
+    special_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    byte_fallback_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokenizer_json: _Optional[str] = ..., vocab_size: _Optional[int] = ..., special_token_ids: _Optional[_Iterable[int]] = ..., byte_fallback_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizerInfoRequest(_message.Message):
     __slots__ = ()

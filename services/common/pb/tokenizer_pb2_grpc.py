@@ -62,10 +62,10 @@ class TokenizerStub:
                 request_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
-        self.DetokenizeMany = channel.stream_stream(
-                '/strata.v1.Tokenizer/DetokenizeMany',
-                request_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyRequest.SerializeToString,
-                response_deserializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyResponse.FromString,
+        self.Decoder = channel.unary_unary(
+                '/strata.v1.Tokenizer/Decoder',
+                request_serializer=strata_dot_v1_dot_tokenizer__pb2.DecoderRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_tokenizer__pb2.DecoderResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/strata.v1.Tokenizer/Info',
@@ -115,10 +115,10 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def DetokenizeMany(self, request_iterator, context):
-        """Incremental decoding of many generations over one stream (a gateway's untraced requests): each
-        message carries new ids of any of them, its reply one delta per item, in the items' order.
-        One message per engine step for all streams instead of one per stream and token.
+    def Decoder(self, request, context):
+        """What a caller needs to decode and detokenize this checkpoint's ids itself, as Decode and
+        Detokenize do: the gateway detokenizes its streams in-process with it (a message to the tokenizer
+        and back per generated token cost more CPU than the decoding).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -159,10 +159,10 @@ def add_TokenizerServicer_to_server(servicer, server):
                     request_deserializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.FromString,
                     response_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.SerializeToString,
             ),
-            'DetokenizeMany': grpc.stream_stream_rpc_method_handler(
-                    servicer.DetokenizeMany,
-                    request_deserializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyRequest.FromString,
-                    response_serializer=strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyResponse.SerializeToString,
+            'Decoder': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decoder,
+                    request_deserializer=strata_dot_v1_dot_tokenizer__pb2.DecoderRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_tokenizer__pb2.DecoderResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -318,7 +318,7 @@ class Tokenizer:
             _registered_method=True)
 
     @staticmethod
-    def DetokenizeMany(request_iterator,
+    def Decoder(request,
             target,
             options=(),
             channel_credentials=None,
@@ -328,12 +328,12 @@ class Tokenizer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
-            '/strata.v1.Tokenizer/DetokenizeMany',
-            strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyRequest.SerializeToString,
-            strata_dot_v1_dot_tokenizer__pb2.DetokenizeManyResponse.FromString,
+            '/strata.v1.Tokenizer/Decoder',
+            strata_dot_v1_dot_tokenizer__pb2.DecoderRequest.SerializeToString,
+            strata_dot_v1_dot_tokenizer__pb2.DecoderResponse.FromString,
             options,
             channel_credentials,
             insecure,
