@@ -44,6 +44,6 @@ class TokenDecoder:
 
     @classmethod
     def from_proto(cls, reply: tokenizer_pb2.DecoderResponse) -> "TokenDecoder":
-        """Parses the tokenizer (tens of milliseconds for a 150k vocabulary: run it off the event loop)."""
+        """Parses the tokenizer JSON (megabytes for a large vocabulary: run it off the event loop)."""
         return cls(Tokenizer.from_str(reply.tokenizer_json), reply.vocab_size,
                    frozenset(reply.special_token_ids), frozenset(reply.byte_fallback_token_ids))
