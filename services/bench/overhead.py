@@ -116,9 +116,11 @@ def run_in_process(llm, prompts, output_lens) -> Run:
     return Run(sum(num_tokens.values()), seconds, statistics.median(tpots) if tpots else 0.0)
 
 
-async def _stream_all(base_url: str, model: str, prompts, output_lens,
-                      concurrency: int) -> tuple[Run, int]:
-    """The requests streamed through the gateway, and how many failed."""
+async def _stream_all(base_url: str, model: str, prompts, output_lens, concurrency: int,
+                      stack) -> tuple[Run, int, dict[str, float], float]:
+    """The requests streamed through the gateway, how many failed, and the CPU seconds that each of
+    ``stack``'s processes and this one (the clients) spent while they streamed: not the warm-up's, nor
+    the client session's setup, which a short run's per-token figure would carry."""
     from services.bench.client import RequestSettings, open_session
     from services.bench.datasets import BenchRequest
     from services.bench.runner import RunPlan, send_all
@@ -129,11 +131,14 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens,
     async with open_session(600) as session:
         warm_up = [BenchRequest(prompt_len=8, output_len=2, prompt=[1] * 8)] * 2  # not a measured prompt: no
         await send_all(session, settings, warm_up, RunPlan(max_concurrency=2))   # cache hit for the stack alone
+        before, started_cpu = cpu_seconds(stack), time.process_time()
         outputs, seconds = await send_all(session, settings, requests, RunPlan(max_concurrency=concurrency))
+        after, client_cpu_s = cpu_seconds(stack), time.process_time() - started_cpu
     done = [o for o in outputs if o.success]
     tpots = [o.tpot for o in done if o.output_tokens > 1]
     return (Run(sum(o.output_tokens for o in done), seconds, statistics.median(tpots) if tpots else 0.0),
-            len(outputs) - len(done))
+            len(outputs) - len(done), {name: after[name] - before[name] for name in before.keys() & after.keys()},
+            client_cpu_s)
 
 
 @contextmanager
@@ -281,11 +286,7 @@ def _run(args) -> int:
 
     def streamed(running, prompts, output_lens) -> tuple[Run, int, dict[str, float], float]:
         gc.collect()
-        before, started_cpu = cpu_seconds(running), time.process_time()
-        stack, failed = uvloop.run(_stream_all(running.base_url, "bench", prompts, output_lens,
-                                               args.max_concurrency))
-        after, client_cpu_s = cpu_seconds(running), time.process_time() - started_cpu
-        return stack, failed, {name: after[name] - before[name] for name in before.keys() & after.keys()}, client_cpu_s
+        return uvloop.run(_stream_all(running.base_url, "bench", prompts, output_lens, args.max_concurrency, running))
 
     engine_runs = [in_process(prompts, output_lens) for prompts, output_lens in workloads] if phased else None
     if phased:
