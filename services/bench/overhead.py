@@ -1,5 +1,5 @@
 """`strata bench overhead`: what serving costs. The same requests run twice in one invocation:
-through the whole stack (gateway → engine gRPC → tokenizer detokenize → SSE, streamed by
+through the whole stack (gateway → engine gRPC → detokenized in the gateway → SSE, streamed by
 concurrent clients) and in-process on the engine alone; output tokens/s of both and their ratio,
 and the median time per output token (TPOT, after the first) of both: at one stream the in-process
 TPOT is the engine's decode step, so their ratio is what the stack adds per token.
