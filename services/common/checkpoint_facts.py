@@ -20,8 +20,17 @@ _UNSET_MODEL_MAX_LENGTH = 10**12
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A checkpoint's JSON file, or {} when it has none."""
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """A checkpoint's JSON file, or {} when it has none; ValueError naming the file when it holds no JSON
+    object."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or remove it") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def tokenizer_config(model_dir: Path) -> dict[str, Any]:

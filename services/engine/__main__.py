@@ -62,10 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("--trace-steps: no step spans, traces are not exported (set OTEL_EXPORTER_OTLP_ENDPOINT)")
     from services.engine.server import run_server
 
-    run_server(config, args.host, args.port, args.served_model_name or config.model,
-               args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval,
-               args.advertise_address, tls, None if args.disable_log_stats else args.log_stats_interval,
-               args.trace_steps_sample if args.trace_steps and traced else None)
+    try:
+        run_server(config, args.host, args.port, args.served_model_name or config.model,
+                   args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval,
+                   args.advertise_address, tls, None if args.disable_log_stats else args.log_stats_interval,
+                   args.trace_steps_sample if args.trace_steps and traced else None)
+    except (ValueError, FileNotFoundError) as error:  # the checkpoint's or a flag's: its message says which
+        raise SystemExit(f"strata engine: {error}") from None
     return 0
 
 

@@ -168,8 +168,13 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
     log.info("engine %s: %s%d kernel threads, OpenMP wait %s", config.replica_id,
              "" if config.num_threads else "up to ", set_num_threads(config.num_threads),
              openmp_wait_description())
-    core = EngineCore(config, event_sink=events.buffer if events else None)
-    core.warmup()
+    try:
+        core = EngineCore(config, event_sink=events.buffer if events else None)
+        core.warmup()
+    except BaseException:  # a bad checkpoint or flag, no memory: the process ends with the error
+        loop.call_soon_threadsafe(stop_requested.set)  # instead of serving NOT_SERVING forever
+        grpc_thread.join()
+        raise
     if not stopping.is_set():
         observe_step = _both(metrics.observe_step, stats_logger.observe_step) if stats_logger else metrics.observe_step
         observe_step = _both(observe_step, lambda *_: metrics.observe_structured_output(
@@ -247,8 +252,10 @@ async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_t
         if events is not None:
             events.start_reports(_reachable_address(host, bound, advertise_address), lambda: servicer.engine.stats)
         await stop_requested.wait()
-    log.info("draining: no new requests; waiting up to %.0f s for the %d in flight", shutdown_timeout_s,
-             servicer.engine.num_active_requests if servicer.engine else 0)
+        log.info("draining: no new requests; waiting up to %.0f s for the %d in flight", shutdown_timeout_s,
+                 servicer.engine.num_active_requests)
+    else:
+        log.info("stopping before the model was ready")
     servicer.accepting = False
     await server.set_serving(False)
     if stats_lines is not None:

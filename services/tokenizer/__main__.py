@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     setup_logging(args.log_level, args.log_format, service="strata-tokenizer")
     setup_tracing("strata-tokenizer")
-    tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())
+    try:
+        tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())
+    except (ValueError, FileNotFoundError) as error:  # the checkpoint's: its message says which file
+        raise SystemExit(f"strata tokenizer: {error}") from None
     servicer = TokenizerServicer(tokenizer, args.trust_request_chat_template, args.workers, limits)
     if args.metrics_port is not None:
         start_metrics_server(args.host, args.metrics_port, servicer.metrics.registry)

@@ -65,3 +65,15 @@ def test_engine_and_tokenizer_agree_on_the_longest_sequence(tmp_path):
     neither = write_checkpoint(tmp_path / "neither", {"model_max_length": 10**30}, None, 2, max_positions=None)
     with pytest.raises(ValueError, match="no max_position_embeddings"):
         checkpoint_facts.max_model_len(neither)
+
+
+@pytest.mark.parametrize("text, message", [('{"temperature": 0.7,', "is not valid JSON"),
+                                           ("[1, 2]", "must hold a JSON object, not list"),
+                                           (b"\xff\xfe{}", "is not valid JSON")])
+def test_a_file_that_holds_no_json_object_is_refused_by_name(tmp_path, text, message):
+    path = tmp_path / "generation_config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as info:
+        checkpoint_facts.read_json(path)
+    assert str(path) in str(info.value) and message in str(info.value)
+    assert checkpoint_facts.read_json(tmp_path / "absent.json") == {}

@@ -27,6 +27,21 @@ def test_a_service_that_dies_at_startup_is_named_with_its_log(tmp_path):
     assert (tmp_path / "logs" / "tokenizer.log").exists()
 
 
+def test_an_engine_that_refuses_its_flags_stops_the_stack_with_its_reason(default_model_dir, tmp_path):
+    """The tokenizer starts; the engine does not load (a default no request could use) and exits, so
+    `strata up` stops at once naming it, instead of waiting for an engine that would never serve."""
+    config = StackConfig(model=str(default_model_dir), port=find_free_port(), log_dir=tmp_path / "logs",
+                         engine_args=["--override-generation-config", '{"top_p": 0}'], echo_logs=False,
+                         startup_timeout_s=120, grace_s=2)
+    stack = Stack(config)
+    started = time.monotonic()
+    with pytest.raises(StartupError) as info:
+        stack.start()
+    assert "the engine exited with code 1" in str(info.value) and "top_p must be in (0, 1]" in str(info.value)
+    assert time.monotonic() - started < 60
+    assert all(service.exit_code is not None for service in stack.services), "orphans left"
+
+
 def test_engine_flags_pass_through():
     args = parse_args(["--max-num-seqs", "8", "--dtype", "float32", "--no-enable-prefix-caching",
                        "--engine-args", "--block-size 32 --seed 3"])

@@ -6,6 +6,7 @@ import itertools
 import os
 import queue
 import re
+import shutil
 import signal
 
 import grpc
@@ -175,6 +176,24 @@ def test_sigterm_while_the_model_loads_stops_cleanly(default_model_dir, tmp_path
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=60) == 0
         assert "Task was destroyed" not in server.log() and " ERROR " not in server.log(), server.log_tail()
+
+
+@pytest.mark.parametrize("problem", ["a broken generation_config.json", "a default no request could use"])
+def test_a_model_that_does_not_load_ends_the_process_with_its_reason(default_model_dir, tmp_path, free_port, problem):
+    """Not a process that serves NOT_SERVING for ever (which `strata up` would wait on): exit code 1 and one
+    line that names the file or the flag, no traceback."""
+    checkpoint, extra = default_model_dir, ()
+    if problem == "a broken generation_config.json":
+        checkpoint = tmp_path / "checkpoint"
+        shutil.copytree(default_model_dir, checkpoint)
+        (checkpoint / "generation_config.json").write_text('{"temperature": 0.7,')
+    else:
+        extra = ("--override-generation-config", '{"top_p": 0}')
+    with EngineProcess(checkpoint, free_port, tmp_path / "engine.log", extra) as server:
+        assert server.process.wait(timeout=60) == 1
+        last_line = server.log().strip().splitlines()[-1]
+    assert last_line.startswith("strata engine: ") and "Traceback" not in server.log(), server.log_tail()
+    assert ("generation_config.json is not valid JSON" if "broken" in problem else "top_p must be in (0, 1]") in last_line
 
 
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(default_model_dir, tmp_path, free_port):

@@ -1,6 +1,5 @@
 """The model settings the engine needs, parsed from a Hugging Face ``config.json``."""
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,7 +78,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory")
-    hf = json.loads(config_path.read_text())
+    hf = checkpoint_facts.read_json(config_path)
     architectures = hf.get("architectures") or []
     architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if architecture is None:
