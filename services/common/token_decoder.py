@@ -21,7 +21,6 @@ class TokenDecoder:
     transformers (a model's vocabulary may be larger than its tokenizer's). Read-only, safe to share."""
 
     backend: Tokenizer
-    vocab_size: int  # ids the tokenizer can produce, added tokens included
     special_ids: frozenset[int]  # what skip_special_tokens leaves out
     byte_fallback_ids: frozenset[int]  # the <0xNN> ids, when the decoder has ByteFallback
 
@@ -38,12 +37,12 @@ class TokenDecoder:
         )
 
     def to_proto(self) -> tokenizer_pb2.DecoderResponse:
-        return tokenizer_pb2.DecoderResponse(
-            tokenizer_json=self.backend.to_str(), vocab_size=self.vocab_size,
-            special_token_ids=sorted(self.special_ids), byte_fallback_token_ids=sorted(self.byte_fallback_ids))
+        return tokenizer_pb2.DecoderResponse(tokenizer_json=self.backend.to_str(),
+                                             special_token_ids=sorted(self.special_ids),
+                                             byte_fallback_token_ids=sorted(self.byte_fallback_ids))
 
     @classmethod
     def from_proto(cls, reply: tokenizer_pb2.DecoderResponse) -> "TokenDecoder":
         """Parses the tokenizer JSON (megabytes for a large vocabulary: run it off the event loop)."""
-        return cls(Tokenizer.from_str(reply.tokenizer_json), reply.vocab_size,
-                   frozenset(reply.special_token_ids), frozenset(reply.byte_fallback_token_ids))
+        return cls(Tokenizer.from_str(reply.tokenizer_json), frozenset(reply.special_token_ids),
+                   frozenset(reply.byte_fallback_token_ids))

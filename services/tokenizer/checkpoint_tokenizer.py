@@ -66,18 +66,17 @@ class CheckpointTokenizer:
         special_tokens = _register_special_tokens(backend, tokenizer_config)
         bos_token_id = _token_id(backend, special_tokens.get("bos_token"))
         eos_token_ids = checkpoint_facts.eos_token_ids(model_dir, backend.token_to_id)
-        vocab_size = backend.get_vocab_size(with_added_tokens=True)
         return cls(
             model=str(model_dir),
             backend=backend,
-            vocab_size=vocab_size,
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
             special_tokens=special_tokens,
             bos_token_id=bos_token_id,
             eos_token_ids=eos_token_ids,
             max_model_len=checkpoint_facts.max_model_len(model_dir),
             chat_templates=load_chat_templates(model_dir, tokenizer_config),
             decoder=TokenDecoder(
-                backend, vocab_size,
+                backend,
                 special_ids=frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special),
                 byte_fallback_ids=_byte_fallback_ids(backend)),
         )

@@ -194,7 +194,7 @@ def test_a_decoder_from_the_decoder_rpc_detokenizes_as_the_detokenize_stream_doe
     service's own Detokenize stream answers."""
     tokenizer = CheckpointTokenizer.from_dir(default_model_dir)
     decoder = TokenDecoder.from_proto(default_server.stub.Decoder(pb.DecoderRequest()))
-    assert decoder.vocab_size == tokenizer.vocab_size and decoder.special_ids == tokenizer.decoder.special_ids
+    assert decoder.special_ids == tokenizer.decoder.special_ids
     rng = random.Random(5)
     real = tokenizer.encode("中文 café 😀 👨‍👩‍👧‍👦 and <|im_end|> done", False)
     for _ in range(8):

@@ -122,16 +122,14 @@ class DecoderRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecoderResponse(_message.Message):
-    __slots__ = ("tokenizer_json", "vocab_size", "special_token_ids", "byte_fallback_token_ids")
+    __slots__ = ("tokenizer_json", "special_token_ids", "byte_fallback_token_ids")
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
-    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BYTE_FALLBACK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     tokenizer_json: str
-    vocab_size: int
     special_token_ids: _containers.RepeatedScalarFieldContainer[int]
     byte_fallback_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokenizer_json: _Optional[str] = ..., vocab_size: _Optional[int] = ..., special_token_ids: _Optional[_Iterable[int]] = ..., byte_fallback_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, tokenizer_json: _Optional[str] = ..., special_token_ids: _Optional[_Iterable[int]] = ..., byte_fallback_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizerInfoRequest(_message.Message):
     __slots__ = ()
