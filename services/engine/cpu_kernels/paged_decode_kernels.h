@@ -200,8 +200,33 @@ inline __m256 exp_nonpositive8(__m256 x) {
 struct Partial {
   float max[kMaxGroup];
   float sum[kMaxGroup];
-  alignas(64) float acc[kMaxGroup * kMaxHeadDim];  // row g at g * kMaxHeadDim, zero past head_dim
+  alignas(64) float acc[kMaxGroup * kMaxHeadDim];  // row g at g * kMaxHeadDim (acc_index), zero past acc_span
 };
+
+// bfloat16 V rows on AVX-512 accumulate with each block of 32 dims in even-odd order: the even dims in
+// its first 16 places, the odd ones in the other 16. One 64-byte load of a V row is 32 bfloat16 dims,
+// and a shift and a mask turn it into the float32 of its even and of its odd dims, one instruction per
+// 16 dims, where widening 16 dims in order took two. write_output reads the dims back in order. Each
+// dim's sum runs in the same order as before: the same bits. The small shape's heads (8 over 4, dim 64),
+// 16 requests of 370 tokens, two threads on a Zen 4, best of 300 calls: 29.4-30.0 -> 28.0 ns per token.
+template <int Dt>
+constexpr bool even_odd_acc() {
+#ifdef STRATA_AVX512
+  return Dt == kBFloat16;
+#else
+  return false;
+#endif
+}
+
+// Where dim d of a query head lies in its accumulator row.
+template <int Dt>
+inline int64_t acc_index(int64_t d) {
+  if constexpr (even_odd_acc<Dt>()) return (d & ~int64_t(31)) + (d & 1) * 16 + (d & 31) / 2;
+  return d;
+}
+
+// The places of an accumulator row in use: head_dim, up to a whole block of 32 (zero past head_dim in order).
+inline int64_t acc_span(int64_t dim) { return (dim + 31) / 32 * 32; }
 
 // The query rows of one group, zero past head_dim: in float32, and as raw bfloat16 for dot products
 // straight on bfloat16 keys.
@@ -277,6 +302,44 @@ template <int Dt, int Sub>
 void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t count, const Scores& weight,
                      float* acc) {
   const int64_t dim = p.head_dim;
+#ifdef STRATA_AVX512
+  if constexpr (even_odd_acc<Dt>()) {  // 32 dims a step, the even ones and the odd ones (acc_index)
+    constexpr int kSets = Sub >= 4 ? 1 : 4 / Sub;  // as below: each dim's sum in the same order, the same bits
+    const __m512i high_half = _mm512_set1_epi32(int32_t(0xffff0000u));
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __mmask32 mask = dim - d >= 32 ? ~__mmask32(0) : (__mmask32(1) << (dim - d)) - 1;
+      __m512 even[kSets][Sub], odd[kSets][Sub];
+      for (int u = 0; u < kSets; ++u)
+        for (int s = 0; s < Sub; ++s) {
+          even[u][s] = u == 0 ? _mm512_load_ps(acc + (g0 + s) * kMaxHeadDim + d) : _mm512_setzero_ps();
+          odd[u][s] = u == 0 ? _mm512_load_ps(acc + (g0 + s) * kMaxHeadDim + d + 16) : _mm512_setzero_ps();
+        }
+      auto add_token = [&](int64_t t, int u) {
+        const __m512i raw = _mm512_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.v_cache) + row[t] + d);
+        const __m512 v_even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        const __m512 v_odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
+        for (int s = 0; s < Sub; ++s) {
+          const __m512 w = _mm512_set1_ps(weight[g0 + s][t]);
+          even[u][s] = _mm512_fmadd_ps(w, v_even, even[u][s]);
+          odd[u][s] = _mm512_fmadd_ps(w, v_odd, odd[u][s]);
+        }
+      };
+      int64_t t = 0;
+      for (; t + kSets <= count; t += kSets)
+        for (int u = 0; u < kSets; ++u) add_token(t + u, u);
+      for (; t < count; ++t) add_token(t, 0);
+      for (int s = 0; s < Sub; ++s) {
+        for (int u = 1; u < kSets; ++u) {
+          even[0][s] = _mm512_add_ps(even[0][s], even[u][s]);
+          odd[0][s] = _mm512_add_ps(odd[0][s], odd[u][s]);
+        }
+        _mm512_store_ps(acc + (g0 + s) * kMaxHeadDim + d, even[0][s]);
+        _mm512_store_ps(acc + (g0 + s) * kMaxHeadDim + d + 16, odd[0][s]);
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t d = 0; d < dim; d += 16) {
 #ifdef STRATA_AVX512
     constexpr int kSets = Sub >= 4 ? 1 : 4 / Sub;
@@ -399,7 +462,7 @@ void softmax_tile(int64_t group, int64_t dim, int64_t count, Scores& score, Part
 #endif
     part.sum[g] = part.sum[g] * rescale + tile_sum;
     if (rescale != 1.0f)
-      for (int64_t d = 0; d < dim; ++d) part.acc[g * kMaxHeadDim + d] *= rescale;
+      for (int64_t d = 0; d < acc_span(dim); ++d) part.acc[g * kMaxHeadDim + d] *= rescale;
   }
 }
 
@@ -469,12 +532,13 @@ void attend_chunk(const Problem& p, int64_t req, int64_t lo, int64_t hi, Partial
   }
 }
 
+template <int Dt>
 void write_output(const Problem& p, int64_t req, int64_t kv_head, const Partial& part) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   for (int64_t g = 0; g < group; ++g) {
     float* out = p.out + (req * p.num_heads + kv_head * group + g) * p.head_dim;
     const float inverse = part.sum[g] > 0.0f ? 1.0f / part.sum[g] : 0.0f;
-    for (int64_t d = 0; d < p.head_dim; ++d) out[d] = part.acc[g * kMaxHeadDim + d] * inverse;
+    for (int64_t d = 0; d < p.head_dim; ++d) out[d] = part.acc[g * kMaxHeadDim + acc_index<Dt>(d)] * inverse;
   }
 }
 
@@ -492,7 +556,7 @@ void merge(const Problem& p, const Partial* chunks, int64_t num_chunks, Partial&
       const float weight = std::exp(chunks[c].max[g] - max);
       merged.sum[g] += chunks[c].sum[g] * weight;
       const float* part = chunks[c].acc + g * kMaxHeadDim;
-      for (int64_t d = 0; d < p.head_dim; ++d) acc[d] += part[d] * weight;
+      for (int64_t d = 0; d < acc_span(p.head_dim); ++d) acc[d] += part[d] * weight;
     }
   }
 }
@@ -557,7 +621,7 @@ void attend(const Problem& p, const Plan& plan, Partial* partials, Split& split)
       parts[kv_head] = alone ? &locals[kv_head] : &partials[kv_head * plan.num_chunks + chunk];
     attend_chunk<Dt>(p, req, lo, hi, parts.data(), queries.data());
     if (alone)
-      for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) write_output(p, req, kv_head, locals[kv_head]);
+      for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) write_output<Dt>(p, req, kv_head, locals[kv_head]);
   });
   if (plan.split) {
     split.items(p.num_reqs * p.num_kv_heads, 1, [&](int64_t item) {
@@ -565,7 +629,7 @@ void attend(const Problem& p, const Plan& plan, Partial* partials, Split& split)
       const int64_t count = plan.chunk_start[req + 1] - plan.chunk_start[req];
       if (count == 1) return;
       merge(p, &partials[kv_head * plan.num_chunks + plan.chunk_start[req]], count, local);
-      write_output(p, req, kv_head, local);
+      write_output<Dt>(p, req, kv_head, local);
     });
   }
 }
