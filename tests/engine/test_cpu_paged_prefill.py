@@ -30,7 +30,7 @@ def make_batch(requests, block_size, num_kv_heads, group, head_dim, dtype, seed=
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
-@pytest.mark.parametrize("group, head_dim", [(2, 64), (1, 128), (4, 80), (3, 72), (16, 64)])
+@pytest.mark.parametrize("group, head_dim", [(2, 64), (1, 128), (4, 80), (3, 72), (16, 64), (2, 33)])
 @pytest.mark.parametrize("window", [None, 5, 100])
 def test_matches_reference(dtype, group, head_dim, window):
     batch = make_batch(REQUESTS, 16, 2, group, head_dim, dtype)

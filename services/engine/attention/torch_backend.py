@@ -23,12 +23,14 @@ Five paths, chosen per request:
   alike), skipping the keys past each block of queries. Against the SDPA path below, one prompt of the
   small shape's heads (8 over 4, dim 64), two threads: float32 1.4-1.6x faster at 128-288 tokens, 2.0x
   at 512, 1.1x at 2048; float16 1.6-1.9x at 128-512, 1.2x at 2048 (a 2-core Xeon). On a 2-core Zen 3
-  (AVX2): float32 1.3-1.6x at 128-512, 1.0x at 2048; bfloat16 1.6-1.7x at 288-512, 1.3x at 2048.
+  (AVX2): float32 1.3-1.6x at 128-512, 1.0x at 2048; bfloat16 1.6-1.7x at 288-512, 1.3x at 2048. On a
+  2-core Zen 4 (AVX512-BF16, where bfloat16 multiplies in bfloat16 pairs): bfloat16 2.9-3.6x at 128-512,
+  2.3x at 2048.
 - **Prefill** otherwise, one ``scaled_dot_product_attention`` per request, so no work is spent on
   padding: a request without a cached prefix attends its own new K/V with ``is_causal``; one with a
   prefix gathers its context from the pool under a causal mask offset by it. bfloat16 stays here where
   the CPU has AMX: SDPA's CPU kernel runs it on the tiles, 1.8-3x faster than the native kernel's float32
-  FMAs.
+  FMAs (measured before its bfloat16 pairs, which a CPU with AMX also has: worth measuring again there).
 
 A layer with a sliding window W (Mistral, some Qwen2 layers) sees the last W positions only: its decode
 rows list just those, and its prefill masks cut what lies further back. The cache keeps every block.
