@@ -15,15 +15,15 @@
 // or float16); the output is float32 (the caller casts). Measured against SDPA in torch_backend.py.
 //
 // bfloat16 pools on a CPU with AVX512-BF16 (and an even head_dim) multiply in bfloat16 instead, as
-// SDPA's flash kernel does for bfloat16 (its products on bfloat16, the softmax in float32, the weights
+// FlashAttention does on a GPU (products of bfloat16 operands, the softmax in float32, the weights
 // rounded to bfloat16 for P V): each VDPBF16PS adds two products per lane to a float32 sum, so every
 // 32-bit word of its operands is a pair. The scores take pairs of dims: Q^T as [dim pair][row] and a
 // key's pair broadcast straight from the pool (no copy of K); P V takes pairs of keys: the tile's V as
 // [key pair][dim] and each row's weights as [key pair][row]. Half the instructions of the float32 FMAs:
 // on the small shape's heads (8 prompts x 256 new tokens, two threads of a Zen 4) 2.4-2.5 ms a call
-// against 5.0 ms (3.9 with only the scores in pairs). Rounding the weights costs an output bit at times
-// (8% of the outputs one bfloat16 step from the float64 reference, against almost none before), as in
-// FlashAttention's P V on 16-bit operands and the Triton kernel's `p.to(v.dtype)`.
+// against 5.0 ms (3.9 with only the scores in pairs). Rounding the weights costs an output bit at times:
+// ~8% of the outputs one bfloat16 step from the float64 reference, where the float32 weights (and torch's
+// CPU SDPA) missed almost none; the Triton kernel rounds them alike (`p.to(v.dtype)`).
 
 #include <memory>
 
