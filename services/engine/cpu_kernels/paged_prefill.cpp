@@ -268,14 +268,26 @@ void softmax_keys(Scratch& s, int64_t dim, int64_t t0, int64_t n, int64_t window
       for (int64_t d = 0; d < dim; ++d) s.o[r * s.ld + d] *= rescale[r];
 }
 
-// o[r] += sum_t weight[t][r] * v_t for the rows r0 .. r0 + 3 and the Vectors x 16 dims from d0.
+// o[r] += sum_t weight[t][r] * v_t for the rows r0 .. r0 + 3 and the Vectors x 16 dims from d0: `steps`
+// keys of float32 FMAs (scores, v), or with Pairs `steps` pairs of keys of VDPBF16PS (w_pairs, v_pairs).
 #ifdef STRATA_AVX512
-template <int Vectors>
-void accumulate_rows(Scratch& s, int64_t n, int64_t r0, int64_t d0) {
+template <int Vectors, bool Pairs>
+void accumulate_rows(Scratch& s, int64_t steps, int64_t r0, int64_t d0) {
   __m512 acc[4][Vectors];
   for (int i = 0; i < 4; ++i)
     for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm512_load_ps(s.o + (r0 + i) * s.ld + d0 + 16 * c);
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < steps; ++t) {
+#ifdef STRATA_BF16_PAIRS
+    if constexpr (Pairs) {
+      __m512i v[Vectors];
+      for (int c = 0; c < Vectors; ++c) v[c] = _mm512_load_si512(s.v_pairs + t * s.ld + d0 + 16 * c);
+      for (int i = 0; i < 4; ++i) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(int32_t(s.w_pairs[t][r0 + i]));
+        for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)v[c], w);
+      }
+      continue;
+    }
+#endif
     __m512 v[Vectors];
     for (int c = 0; c < Vectors; ++c) v[c] = _mm512_load_ps(s.v + t * s.ld + d0 + 16 * c);
     for (int i = 0; i < 4; ++i) {
@@ -316,17 +328,19 @@ void accumulate_rows8(Scratch& s, int64_t n, int64_t r0, int64_t d0) {
 }
 #endif
 
-// o[r] += sum_t weight[t][r] * v_t for every row below `rows` rounded up to 4 (o's rows up to kRows
-// exist; those past the item's stay unused).
+// o[r] += sum_t weight[t][r] * v_t over the tile's n keys for every row below `rows` rounded up to 4 (o's
+// rows up to kRows exist; those past the item's stay unused); with Pairs, from w_pairs and v_pairs.
+template <bool Pairs = false>
 void accumulate_keys(Scratch& s, int64_t dim, int64_t n, int64_t rows) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
 #ifdef STRATA_AVX512
+    const int64_t steps = Pairs ? (n + 1) / 2 : n;
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
       switch (std::min<int64_t>(4, (dim - d0 + 15) / 16)) {
-        case 1: accumulate_rows<1>(s, n, r0, d0); break;
-        case 2: accumulate_rows<2>(s, n, r0, d0); break;
-        case 3: accumulate_rows<3>(s, n, r0, d0); break;
-        default: accumulate_rows<4>(s, n, r0, d0); break;
+        case 1: accumulate_rows<1, Pairs>(s, steps, r0, d0); break;
+        case 2: accumulate_rows<2, Pairs>(s, steps, r0, d0); break;
+        case 3: accumulate_rows<3, Pairs>(s, steps, r0, d0); break;
+        default: accumulate_rows<4, Pairs>(s, steps, r0, d0); break;
       }
     }
 #elif defined(STRATA_AVX2)
@@ -446,37 +460,6 @@ void pair_weights(Scratch& s, int64_t n) {
       _mm512_store_si512(s.w_pairs[j] + r0, _mm512_permutexvar_epi16(interleave, halves));
     }
 }
-
-// o[r] += sum_j w_pairs[j][r] . v_pairs[j] for the rows r0 .. r0 + 3 and the Vectors x 16 dims from d0.
-template <int Vectors>
-void accumulate_pair_rows(Scratch& s, int64_t pairs, int64_t r0, int64_t d0) {
-  __m512 acc[4][Vectors];
-  for (int i = 0; i < 4; ++i)
-    for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm512_load_ps(s.o + (r0 + i) * s.ld + d0 + 16 * c);
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512i v[Vectors];
-    for (int c = 0; c < Vectors; ++c) v[c] = _mm512_load_si512(s.v_pairs + j * s.ld + d0 + 16 * c);
-    for (int i = 0; i < 4; ++i) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(int32_t(s.w_pairs[j][r0 + i]));
-      for (int c = 0; c < Vectors; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)v[c], w);
-    }
-  }
-  for (int i = 0; i < 4; ++i)
-    for (int c = 0; c < Vectors; ++c) _mm512_store_ps(s.o + (r0 + i) * s.ld + d0 + 16 * c, acc[i][c]);
-}
-
-void accumulate_key_pairs(Scratch& s, int64_t dim, int64_t n, int64_t rows) {
-  const int64_t pairs = (n + 1) / 2;
-  for (int64_t r0 = 0; r0 < rows; r0 += 4)
-    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-      switch (std::min<int64_t>(4, (dim - d0 + 15) / 16)) {
-        case 1: accumulate_pair_rows<1>(s, pairs, r0, d0); break;
-        case 2: accumulate_pair_rows<2>(s, pairs, r0, d0); break;
-        case 3: accumulate_pair_rows<3>(s, pairs, r0, d0); break;
-        default: accumulate_pair_rows<4>(s, pairs, r0, d0); break;
-      }
-    }
-}
 #endif
 
 // The item's output rows, each divided by its softmax sum.
@@ -519,7 +502,7 @@ void attend_block(const PrefillProblem& p, int64_t req, int64_t kv_head, int64_t
       score_key_pairs(s, dim, n, p.scale, s.scores);
       softmax_keys(s, dim, t0, n, p.window);
       pair_weights(s, n);
-      accumulate_key_pairs(s, dim, n, rows);
+      accumulate_keys<true>(s, dim, n, rows);
     }
     write_rows(p, req, kv_head, first, rows, s);
     return;
