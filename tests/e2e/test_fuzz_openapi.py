@@ -147,5 +147,6 @@ def test_fuzz_every_operation_answers_without_server_errors(api_schema, fuzz_sta
                             json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
     after = server_errors(fuzz_stack.base_url, session)
-    added = {labels: count - before.get(labels, 0.0) for labels, count in after.items() if count > before.get(labels, 0.0)}
+    added = {labels: count - before.get(labels, 0.0) for labels, count in after.items()
+             if count > before.get(labels, 0.0)}
     assert not added, added

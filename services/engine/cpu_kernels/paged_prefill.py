@@ -7,8 +7,9 @@ Per kv head and block of query tokens, the GQA group's query rows run an online 
 tiles of keys, as FMAs that keep every lane busy (no dot product reduced across lanes); tiles past a
 block's last position are skipped. bfloat16 pools on a CPU with AVX512-BF16 multiply bfloat16 pairs
 instead (scores, and P V with the weights rounded to bfloat16, as FlashAttention does on a GPU), twice
-as fast and at times an output bit off (see the kernel). Measured against ``scaled_dot_product_attention`` per request, the
-path it replaces for float32 on the CPU: see ``attention/torch_backend.py``.
+as fast and at times an output bit off (see the kernel). Measured against
+``scaled_dot_product_attention`` per request, the path it replaces for float32 on the CPU: see
+``attention/torch_backend.py``.
 """
 
 import ctypes
