@@ -28,7 +28,11 @@ clients' (this process during the stack runs) and the in-process engine's. On a 
 the engine's threads fill, the other processes' CPU is about what the engine's steps lose: the last
 line turns it into the stack's expected rate, in-process engine CPU over that plus the others'
 (gateway, tokenizer, clients) per token. Measured ratios land near it: above where the engine's idle
-threads spin (at one stream), below where preemption costs more than the CPU taken.
+threads spin (at one stream), below where preemption costs more than the CPU taken. What shows the
+latter: the share of the cores' time that was idle during each kind of run (/proc/stat, the whole
+machine). The engine's kernel threads end each phase of a step together, so when another process
+takes the core of one of them mid-phase, the other finishes its share and waits: in-process nearly
+no core is idle, through the stack its cores idle while the other processes still need CPU.
 """
 
 import argparse
@@ -117,10 +121,11 @@ def run_in_process(llm, prompts, output_lens) -> Run:
 
 
 async def _stream_all(base_url: str, model: str, prompts, output_lens, concurrency: int,
-                      stack) -> tuple[Run, int, dict[str, float], float]:
-    """The requests streamed through the gateway, how many failed, and the CPU seconds that each of
-    ``stack``'s processes and this one (the clients) spent while they streamed: not the warm-up's, nor
-    the client session's setup, which a short run's per-token figure would carry."""
+                      stack) -> tuple[Run, int, dict[str, float], float, float | None]:
+    """The requests streamed through the gateway, how many failed, the CPU seconds that each of
+    ``stack``'s processes and this one (the clients) spent while they streamed (not the warm-up's, nor
+    the client session's setup, which a short run's per-token figure would carry), and the share of
+    the cores' time that was idle meanwhile."""
     from services.bench.client import RequestSettings, open_session
     from services.bench.datasets import BenchRequest
     from services.bench.runner import RunPlan, send_all
@@ -131,14 +136,15 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens, concurren
     async with open_session(600) as session:
         warm_up = [BenchRequest(prompt_len=8, output_len=2, prompt=[1] * 8)] * 2  # not a measured prompt: no
         await send_all(session, settings, warm_up, RunPlan(max_concurrency=2))   # cache hit for the stack alone
-        before, started_cpu = cpu_seconds(stack), time.process_time()
+        before, started_cpu, cores_before = cpu_seconds(stack), time.process_time(), core_times()
         outputs, seconds = await send_all(session, settings, requests, RunPlan(max_concurrency=concurrency))
         after, client_cpu_s = cpu_seconds(stack), time.process_time() - started_cpu
+        idle = idle_share(cores_before, core_times())
     done = [o for o in outputs if o.success]
     tpots = [o.tpot for o in done if o.output_tokens > 1]
     return (Run(sum(o.output_tokens for o in done), seconds, statistics.median(tpots) if tpots else 0.0),
             len(outputs) - len(done), {name: after[name] - before[name] for name in before.keys() & after.keys()},
-            client_cpu_s)
+            client_cpu_s, idle)
 
 
 @contextmanager
@@ -165,6 +171,22 @@ def cpu_seconds(stack) -> dict[str, float]:
             continue
         seconds[service.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return seconds
+
+
+def core_times() -> tuple[int, int] | None:
+    """(idle, all) time of every core so far, in clock ticks, from /proc/stat; None off Linux."""
+    try:
+        ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return ticks[3] + ticks[4], sum(ticks)  # idle + iowait, of user .. steal
+
+
+def idle_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the cores' time between two `core_times` that was idle; None where unknown."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def resident_bytes() -> int | None:
@@ -244,6 +266,8 @@ class Pair:
     stack_cpu_s: dict[str, float]
     engine_cpu_s: float  # this process's CPU seconds in the in-process run
     client_cpu_s: float  # this process's CPU seconds in the stack run: the clients
+    engine_idle: float | None  # the share of the cores' time idle in the in-process run (`idle_share`)
+    stack_idle: float | None  # ... and in the stack run
 
     @property
     def throughput_ratio(self) -> float:
@@ -279,12 +303,12 @@ def _run(args) -> int:
                   f"pool, {available / 2**30:.1f} GiB available)")
         print(f"{reason}: every in-process run first, then the stack's", file=sys.stderr)
 
-    def in_process(prompts, output_lens) -> tuple[Run, float]:
-        started_cpu = time.process_time()
+    def in_process(prompts, output_lens) -> tuple[Run, float, float | None]:
+        started_cpu, cores_before = time.process_time(), core_times()
         run = run_in_process(llm, prompts, output_lens)
-        return run, time.process_time() - started_cpu
+        return run, time.process_time() - started_cpu, idle_share(cores_before, core_times())
 
-    def streamed(running, prompts, output_lens) -> tuple[Run, int, dict[str, float], float]:
+    def streamed(running, prompts, output_lens) -> tuple[Run, int, dict[str, float], float, float | None]:
         gc.collect()
         return uvloop.run(_stream_all(running.base_url, "bench", prompts, output_lens, args.max_concurrency, running))
 
@@ -296,9 +320,9 @@ def _run(args) -> int:
     pairs = []
     with running_stack(config, _engine_argv(config)) as running:
         for k, (prompts, output_lens) in enumerate(workloads):
-            engine, engine_cpu_s = engine_runs[k] if phased else in_process(prompts, output_lens)
-            stack, failed, stack_cpu_s, client_cpu_s = streamed(running, prompts, output_lens)
-            pairs.append(Pair(engine, stack, failed, stack_cpu_s, engine_cpu_s, client_cpu_s))
+            engine, engine_cpu_s, engine_idle = engine_runs[k] if phased else in_process(prompts, output_lens)
+            stack, failed, stack_cpu_s, client_cpu_s, stack_idle = streamed(running, prompts, output_lens)
+            pairs.append(Pair(engine, stack, failed, stack_cpu_s, engine_cpu_s, client_cpu_s, engine_idle, stack_idle))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
     for k, pair in enumerate(pairs):
@@ -330,6 +354,9 @@ def _run(args) -> int:
             print(f"cores shared: the other processes and the clients took {beside_ms:.3f} ms of CPU per token beside "
                   f"the engine's {engine_ms:.3f} ms, on cores its threads fill: were all of the engine's CPU work, "
                   f"the stack would keep {rate:.2f}x of the in-process tok/s ({1 / rate:.2f}x its TPOT)")
+    if all(p.engine_idle is not None and p.stack_idle is not None for p in pairs):
+        print(f"cores idle: {statistics.median(p.engine_idle for p in pairs):.1%} of the cores' time in the "
+              f"in-process runs, {statistics.median(p.stack_idle for p in pairs):.1%} in the stack's (whole machine)")
     return 1 if failed else 0
 
 

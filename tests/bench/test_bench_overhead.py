@@ -34,6 +34,9 @@ def test_pairs_alternate_and_the_median_ratio_is_reported(capsys):
     (bound, tpot_bound), = re.findall(r"^cores shared: .* the stack would keep ([\d.]+)x of the in-process tok/s "
                                       r"\(([\d.]+)x its TPOT\)$", out, re.MULTILINE)
     assert 0 < float(bound) <= 1 <= float(tpot_bound)
+    (engine_idle, stack_idle), = re.findall(r"^cores idle: ([\d.]+)% of the cores' time in the in-process runs, "
+                                            r"([\d.]+)% in the stack's", out, re.MULTILINE)
+    assert 0 <= float(engine_idle) <= 100 and 0 <= float(stack_idle) <= 100
 
 
 def test_the_shared_cores_rate_is_the_engines_share_of_the_cpu():
@@ -42,6 +45,15 @@ def test_the_shared_cores_rate_is_the_engines_share_of_the_cpu():
     # 64 streams on 2 cores: the engine 1.2 ms per token in-process, gateway + tokenizer + clients 0.13
     assert shared_cores_rate(1.2, 0.13) == pytest.approx(1.2 / 1.33)
     assert shared_cores_rate(4.0, 0.0) == 1.0
+
+
+def test_the_idle_share_is_the_idle_part_of_the_cores_time_between_two_readings():
+    from services.bench.overhead import core_times, idle_share
+
+    assert idle_share((100, 1000), (150, 1200)) == pytest.approx(0.25)
+    assert idle_share(None, (150, 1200)) is None and idle_share((100, 1000), (100, 1000)) is None
+    before = core_times()
+    assert before is None or 0 <= before[0] <= before[1]  # None off Linux
 
 
 def test_repeats_below_one_are_refused():
