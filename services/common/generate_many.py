@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -29,28 +29,51 @@ from services.common.grpc_server import status_for
 from services.common.pb import engine_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RunOne = Callable[[engine_pb2.GenerateRequest], AsyncIterator[engine_pb2.GenerateResponse]]
+# How one entry of a GenerateManyResponse gets its result: fill(entry, value), as the message is built.
+Fill = Callable[[engine_pb2.GenerateManyOutput, object], None]
 
 
 class Replies:
     """Where one request's outputs go on its GenerateMany stream: ``output(response)`` for each, then
     ``end()`` after the one with a finish reason, or ``fail(exception)`` (the status its own Generate
-    stream would have ended with) instead."""
+    stream would have ended with) instead. ``output_with(fill, value)`` passes an output on as
+    ``fill(response, value)``, which writes it into the message's empty GenerateResponse when the
+    message is built: the engine's outputs go in field by field, with no message of their own to copy."""
 
-    def __init__(self, request_id: str, emit: Callable[[engine_pb2.GenerateManyOutput], None],
+    def __init__(self, request_id: str, emit: Callable[[str, Fill, object], None],
                  ended: Callable[["Replies"], None]) -> None:
         self.request_id, self._emit, self._ended = request_id, emit, ended
 
     def output(self, response: engine_pb2.GenerateResponse) -> None:
-        self._emit(engine_pb2.GenerateManyOutput(request_id=self.request_id, output=response))
+        self._emit(self.request_id, _copy_output, response)
+
+    def output_with(self, fill: Callable[[engine_pb2.GenerateResponse, T], None], value: T) -> None:
+        self._emit(self.request_id, _fill_output, (fill, value))
 
     def fail(self, exc: Exception) -> None:
-        self._emit(engine_pb2.GenerateManyOutput(request_id=self.request_id, error=request_error(exc)))
+        self._emit(self.request_id, _set_error, request_error(exc))
         self.end()
 
     def end(self) -> None:
         self._ended(self)
+
+
+def _copy_output(entry: engine_pb2.GenerateManyOutput, response: engine_pb2.GenerateResponse) -> None:
+    entry.output.CopyFrom(response)
+
+
+def _set_error(entry: engine_pb2.GenerateManyOutput, error: engine_pb2.RequestError) -> None:
+    entry.error.CopyFrom(error)
+
+
+def _fill_output(entry: engine_pb2.GenerateManyOutput, fill_and_value: tuple[Callable, object]) -> None:
+    fill, value = fill_and_value
+    output = entry.output
+    output.SetInParent()  # an output even where ``fill`` writes no field
+    fill(output, value)
 
 
 class Started(Protocol):
@@ -98,12 +121,12 @@ def request_error(exc: Exception) -> engine_pb2.RequestError:
 
 async def serve_generate_many(start_one: StartOne, request_iterator) -> AsyncIterator[engine_pb2.GenerateManyResponse]:
     """The GenerateMany stream over ``request_iterator``, each request started by ``start_one``."""
-    outbox: list[engine_pb2.GenerateManyOutput] = []
+    outbox: list[tuple[str, Fill, object]] = []  # (request id, fill, value): each a message entry
     wake = asyncio.Event()
     running: dict[str, tuple[Replies, Started]] = {}
 
-    def emit(output: engine_pb2.GenerateManyOutput) -> None:
-        outbox.append(output)
+    def emit(request_id: str, fill: Fill, value) -> None:
+        outbox.append((request_id, fill, value))
         wake.set()
 
     def ended(replies: Replies) -> None:
@@ -138,9 +161,12 @@ async def serve_generate_many(start_one: StartOne, request_iterator) -> AsyncIte
     try:
         while True:  # the state is checked before each wait: a request may end while its outputs are sent
             if outbox:
-                outputs = outbox[:]
+                message = engine_pb2.GenerateManyResponse()
+                add = message.outputs.add
+                for request_id, fill, value in outbox:
+                    fill(add(request_id=request_id), value)
                 outbox.clear()
-                yield engine_pb2.GenerateManyResponse(outputs=outputs)
+                yield message
             elif reader.done() and (not running or reader.exception() is not None):
                 reader.result()  # the caller's side failed: so does the stream
                 return

@@ -6,6 +6,7 @@ a shutdown began; then new requests get UNAVAILABLE while in-flight ones finish 
 """
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -27,7 +28,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import EngineEvents
-from services.engine.protocol import load_report, output_to_proto, sampling_params_from_proto
+from services.engine.protocol import fill_response, load_report, output_to_proto, sampling_params_from_proto
 from services.engine.request import RequestTimes
 from services.engine.scheduler_output import RequestOutput
 from services.engine.stats_logger import StatsLogger
@@ -46,6 +47,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.served_model_name = served_model_name
         self.engine: AsyncEngine | None = None
         self.accepting = False
+        self._fill = functools.partial(fill_response, replica_id=config.replica_id)
 
     def _ready_engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -84,13 +86,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def _start_one_of_many(self, request: engine_pb2.GenerateRequest, replies: Replies) -> SubmittedRequest:
         """Starts a GenerateMany request (`services/common/generate_many`): as Generate's, untraced; each
         output goes to ``replies`` from the engine loop's callback, without a task of the request's own."""
-        replica_id = self.config.replica_id
+        fill = self._fill
 
         def on_output(output: RequestOutput | BaseException) -> None:
             if isinstance(output, BaseException):
                 replies.fail(output)
                 return
-            replies.output(output_to_proto(output, replica_id))
+            replies.output_with(fill, output)  # written into the stream's next message as it is built
             if output.finished:
                 replies.end()
 
