@@ -6,7 +6,8 @@
 // beyond the weight reads is the cost of starting each one: a call from Python, an OpenMP region whose
 // idle threads may have gone to sleep, a temporary tensor. Here the threads enter one region and go
 // through the phases of each layer together, a phase ending when its last item is done (ProgressSplit,
-// work_split.h: a thread the OS took away between items holds nobody up):
+// work_split.h: a thread the OS took away between items holds nobody up, and the run of items of one
+// taken away in the middle of it is taken over by the others; each layer is an epoch of its own):
 //
 //   norm(residual + x) -> qkv -> rotary, K/V store -> paged attention -> o -> norm(residual + o)
 //   -> gate_up -> silu(gate) * up -> down
@@ -122,30 +123,55 @@ constexpr int64_t kActivationSpan = 256;  // elements of one row per silu_mul wo
 constexpr size_t kMaxPhasesPerLayer = 16;  // ProgressSplit phases a layer may take (it takes at most 15)
 constexpr size_t kFinalPhases = 4;         // after the layers: the final norm, the logits' rows, x's packing, the head
 
+// What one layer writes, in buffers of its own: the layers alternate between two sets, so that a thread
+// that comes back late to a layer's work item another thread took over (work_split.h's stealing) only
+// writes values that are there already, into a set nobody else writes meanwhile (layer l + 2 waits for
+// it, begin_epoch). Only a layer's first phase reads the set before (the last layer's residual and
+// down projection), which layer l + 1 may be rewriting while a late thread reads it: what that late
+// thread then writes (residual_in, x_in) is read by nobody before layer l + 2 writes it again.
+template <typename T>
+struct LayerBuffers {
+  using P = typename Elem<T>::Packed;
+  std::vector<T> residual_in, x_in, qkv, q, attn, o, residual_post, x_post, gate_up, act, down;
+  std::vector<float> attn_f32;
+  std::vector<P> packed_qkv, packed_o, packed_gate_up, packed_down;  // x in the panel kernels' layout
+  std::unique_ptr<Partial[]> partials;
+
+  LayerBuffers(int64_t m, int64_t hidden, int64_t q_size, int64_t qkv_size, int64_t inter, int64_t num_partials)
+      : residual_in(m * hidden), x_in(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), o(m * hidden),
+        residual_post(m * hidden), x_post(m * hidden), gate_up(m * 2 * inter), act(m * inter), down(m * hidden),
+        attn_f32(m * q_size), packed_qkv(packed_size(m, hidden)), packed_o(packed_size(m, q_size)),
+        packed_gate_up(packed_size(m, hidden)), packed_down(packed_size(m, inter)),
+        partials(num_partials ? new Partial[num_partials] : nullptr) {}
+  static int64_t packed_size(int64_t m, int64_t k) { return std::max(m, kTileRows) * (k + 1); }
+};
+
 template <typename T>
 void decode_step(const ModelWeights& mw, const StepInputs& in) {
   using E = Elem<T>;
   const int64_t m = in.num_rows, hidden = mw.hidden, dim = mw.head_dim, inter = mw.intermediate;
   const int64_t q_size = mw.num_heads * dim, kv_size = mw.num_kv_heads * dim, qkv_size = q_size + 2 * kv_size;
-  std::vector<T> residual(m * hidden), x(m * hidden), qkv(m * qkv_size), attn(m * q_size), o(m * hidden),
-      gate_up(m * 2 * inter), act(m * inter), down(m * hidden);
-  std::vector<float> attn_f32(m * q_size);
-  std::vector<typename E::Packed> packed(std::max(m, kTileRows) * (std::max({hidden, q_size, inter}) + 1));
 
   // Each layer's attention problem and its cut into work items (sliding windows differ per layer).
   const int num_threads = omp_get_max_threads();
-  std::vector<Problem> problems;
   std::vector<Plan> plans;
   int64_t num_partials = 0;
   for (int64_t l = 0; l < mw.num_layers; ++l) {
-    const LayerWeights& lw = mw.layers[l];
-    problems.push_back(Problem{qkv.data(), lw.k_cache, lw.v_cache, in.block_tables, in.seq_lens, attn_f32.data(), m,
-                               mw.num_heads, mw.num_kv_heads, dim, mw.block_size, qkv_size, dim, in.table_stride,
-                               lw.window, mw.scale});
-    plans.push_back(plan_chunks(problems.back(), in.min_chunk_tokens, num_threads));
-    if (plans.back().split) num_partials = std::max(num_partials, plans.back().num_partials(problems.back()));
+    Problem shape{nullptr, nullptr, nullptr, in.block_tables, in.seq_lens, nullptr, m, mw.num_heads, mw.num_kv_heads,
+                  dim, mw.block_size, q_size, dim, in.table_stride, mw.layers[l].window, mw.scale};
+    plans.push_back(plan_chunks(shape, in.min_chunk_tokens, num_threads));
+    if (plans.back().split) num_partials = std::max(num_partials, plans.back().num_partials(shape));
   }
-  std::unique_ptr<Partial[]> partials(num_partials ? new Partial[num_partials] : nullptr);
+  LayerBuffers<T> sets[2] = {LayerBuffers<T>(m, hidden, q_size, qkv_size, inter, num_partials),
+                             LayerBuffers<T>(m, hidden, q_size, qkv_size, inter, num_partials)};
+  std::vector<Problem> problems;
+  for (int64_t l = 0; l < mw.num_layers; ++l) {
+    LayerBuffers<T>& b = sets[l % 2];
+    const LayerWeights& lw = mw.layers[l];
+    problems.push_back(Problem{b.q.data(), lw.k_cache, lw.v_cache, in.block_tables, in.seq_lens, b.attn_f32.data(), m,
+                               mw.num_heads, mw.num_kv_heads, dim, mw.block_size, q_size, dim, in.table_stride,
+                               lw.window, mw.scale});
+  }
   const T* embed = static_cast<const T*>(mw.embed);
   const T* cos = static_cast<const T*>(mw.cos);
   const T* sin = static_cast<const T*>(mw.sin);
@@ -153,7 +179,8 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
 
   // Items of a phase a thread takes at a time: about 8 turns per thread, fewer atomic counts than one each.
   auto grab = [&](int64_t items) { return std::max<int64_t>(1, items / (8 * num_threads)); };
-  PhaseCounters counters(mw.num_layers * kMaxPhasesPerLayer + kFinalPhases);
+  // The epochs are the layers and then the final phases; every work item below may run twice.
+  PhaseCounters counters(mw.num_layers * kMaxPhasesPerLayer + kFinalPhases, num_threads, mw.num_layers + 1);
 
   // The logits' rows: `out` itself when every row samples in order, else a copy of those that do.
   const bool logits = mw.logits != nullptr && in.logits != nullptr && in.num_logit_rows > 0;
@@ -161,59 +188,77 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
   bool rows_in_order = s == m;
   for (int64_t j = 0; j < s && rows_in_order; ++j) rows_in_order = in.logit_rows[j] == j;
   std::vector<T> picked(rows_in_order ? 0 : s * hidden);
+  std::vector<typename E::Packed> packed_head(LayerBuffers<T>::packed_size(s, hidden));
+  std::vector<T> residual_final(m * hidden);
 
-  // residual += addend (none on the first layer: the embeddings), then x = norm(residual)
-  auto add_and_norm = [&](const T* addend, const void* weight, T* normed, ProgressSplit& split) {
+  // sum = residual + addend (the embeddings on the first layer), then normed = norm(sum). The sum is
+  // made in `row` and copied, so that `sum` only ever holds its final value.
+  auto add_and_norm = [&](const T* residual, const T* addend, const void* weight, T* sum, T* normed,
+                          ProgressSplit& split) {
     split.items(m, grab(m), [&](int64_t r) {
-      T* row = residual.data() + r * hidden;
-      if (addend == nullptr)
+      T* row = sum + r * hidden;
+      if (residual == nullptr) {
         std::memcpy(row, embed + in.token_ids[r] * hidden, hidden * sizeof(T));
-      else
-        add_row(row, addend + r * hidden, hidden);
+      } else {
+        thread_local std::vector<T> scratch;
+        scratch.assign(residual + r * hidden, residual + (r + 1) * hidden);
+        add_row(scratch.data(), addend + r * hidden, hidden);
+        std::memcpy(row, scratch.data(), hidden * sizeof(T));
+      }
       rms_norm_row(row, static_cast<const T*>(weight), hidden, mw.eps, normed + r * hidden);
     });
   };
 
 #pragma omp parallel num_threads(num_threads)
   {
-    ProgressSplit split(counters);  // this thread's way through the phases (work_split.h)
+    ProgressSplit split(counters, omp_get_thread_num());  // this thread's way through the phases (work_split.h)
     for (int64_t l = 0; l < mw.num_layers; ++l) {
+      split.begin_epoch(l);
       const LayerWeights& lw = mw.layers[l];
-      add_and_norm(l == 0 ? nullptr : down.data(), lw.input_norm, x.data(), split);
-      linear(x.data(), m, hidden, lw.qkv, lw.qkv_bias, qkv_size, qkv.data(), packed.data(), split);
+      LayerBuffers<T>& b = sets[l % 2];
+      const LayerBuffers<T>& before = sets[(l + 1) % 2];
+      add_and_norm(l == 0 ? nullptr : before.residual_post.data(), before.down.data(), lw.input_norm,
+                   b.residual_in.data(), b.x_in.data(), split);
+      linear(b.x_in.data(), m, hidden, lw.qkv, lw.qkv_bias, qkv_size, b.qkv.data(), b.packed_qkv.data(), split);
 
-      // Rotary on the q and k heads, then the new token's K and V into the pools.
+      // Rotary on the q heads (into q) and the k heads, then the new token's K and V into the pools.
       const int64_t heads_per_row = mw.num_heads + 2 * mw.num_kv_heads;
       split.items(m * heads_per_row, grab(m * heads_per_row), [&](int64_t item) {
         const int64_t r = item / heads_per_row, h = item % heads_per_row;
-        T* head = qkv.data() + r * qkv_size + h * dim;
-        if (h < mw.num_heads + mw.num_kv_heads)
-          rotate_head(head, cos + in.positions[r] * dim, sin + in.positions[r] * dim, dim);
-        if (h >= mw.num_heads) {
-          const int64_t kv_head = (h - mw.num_heads) % mw.num_kv_heads;
-          T* pool = static_cast<T*>(h < mw.num_heads + mw.num_kv_heads ? lw.k_cache : lw.v_cache);
-          std::memcpy(pool + in.slot_mapping[r] * kv_size + kv_head * dim, head, dim * sizeof(T));
+        const T* head = b.qkv.data() + r * qkv_size + h * dim;
+        T* to = h < mw.num_heads ? b.q.data() + r * q_size + h * dim
+                                 : static_cast<T*>(h < mw.num_heads + mw.num_kv_heads ? lw.k_cache : lw.v_cache) +
+                                       in.slot_mapping[r] * kv_size + (h - mw.num_heads) % mw.num_kv_heads * dim;
+        alignas(64) T rotated[kMaxHeadDim];  // rotated here, so that `to` only ever holds its final value
+        if (h < mw.num_heads + mw.num_kv_heads) {
+          std::memcpy(rotated, head, dim * sizeof(T));
+          rotate_head(rotated, cos + in.positions[r] * dim, sin + in.positions[r] * dim, dim);
+          head = rotated;
         }
+        std::memcpy(to, head, dim * sizeof(T));
       });
 
-      attend<E::kDtype>(problems[l], plans[l], partials.get(), split);
+      attend<E::kDtype>(problems[l], plans[l], b.partials.get(), split);
       split.items(m, grab(m), [&](int64_t r) {
-        for (int64_t i = r * q_size; i < (r + 1) * q_size; ++i) attn[i] = E::store(attn_f32[i]);
+        for (int64_t i = r * q_size; i < (r + 1) * q_size; ++i) b.attn[i] = E::store(b.attn_f32[i]);
       });
-      linear(attn.data(), m, q_size, lw.o, lw.o_bias, hidden, o.data(), packed.data(), split);
+      linear(b.attn.data(), m, q_size, lw.o, lw.o_bias, hidden, b.o.data(), b.packed_o.data(), split);
 
-      add_and_norm(o.data(), lw.post_norm, x.data(), split);
-      linear(x.data(), m, hidden, lw.gate_up, lw.gate_up_bias, 2 * inter, gate_up.data(), packed.data(), split);
+      add_and_norm(b.residual_in.data(), b.o.data(), lw.post_norm, b.residual_post.data(), b.x_post.data(), split);
+      linear(b.x_post.data(), m, hidden, lw.gate_up, lw.gate_up_bias, 2 * inter, b.gate_up.data(),
+             b.packed_gate_up.data(), split);
       const int64_t spans = (inter + kActivationSpan - 1) / kActivationSpan;
       split.items(m * spans, grab(m * spans), [&](int64_t item) {
         const int64_t r = item / spans, first = item % spans * kActivationSpan;
-        const T* row = gate_up.data() + r * 2 * inter;
-        silu_mul(row + first, row + inter + first, act.data() + r * inter + first,
+        const T* row = b.gate_up.data() + r * 2 * inter;
+        silu_mul(row + first, row + inter + first, b.act.data() + r * inter + first,
                  std::min(kActivationSpan, inter - first));
       });
-      linear(act.data(), m, inter, lw.down, lw.down_bias, hidden, down.data(), packed.data(), split);
+      linear(b.act.data(), m, inter, lw.down, lw.down_bias, hidden, b.down.data(), b.packed_down.data(), split);
     }
-    add_and_norm(down.data(), mw.final_norm, out, split);
+    split.begin_epoch(mw.num_layers);
+    const LayerBuffers<T>& last = sets[(mw.num_layers + 1) % 2];
+    add_and_norm(last.residual_post.data(), last.down.data(), mw.final_norm, residual_final.data(), out, split);
 
     if (logits) {
       const T* rows = out;
@@ -224,7 +269,7 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
         rows = picked.data();
       }
       const T* bias = static_cast<const T*>(mw.logits_bias);
-      linear_into<T>(rows, s, hidden, mw.logits, mw.vocab, packed.data(), split,
+      linear_into<T>(rows, s, hidden, mw.logits, mw.vocab, packed_head.data(), split,
                      [&](int64_t row, int64_t first_out, const float* acc, int num_outs) {
                        float* logit = in.logits + row * mw.vocab + first_out;
                        for (int o = 0; o < num_outs; ++o)

@@ -594,6 +594,14 @@ Plan plan_chunks(const Problem& p, int64_t min_chunk_tokens, int64_t num_threads
   return plan;
 }
 
+// What attend_chunk and merge use of a Partial (`group` rows of acc_span(dim)), from `from` into `to`.
+inline void copy_partial(const Partial& from, int64_t group, int64_t dim, Partial& to) {
+  std::copy(from.max, from.max + group, to.max);
+  std::copy(from.sum, from.sum + group, to.sum);
+  for (int64_t g = 0; g < group; ++g)
+    std::copy(from.acc + g * kMaxHeadDim, from.acc + g * kMaxHeadDim + acc_span(dim), to.acc + g * kMaxHeadDim);
+}
+
 // The work items of `plan` split over the threads of the enclosing parallel region by `split`
 // (work_split.h; serial outside one), then the merges. `partials` holds plan.num_partials(p) entries
 // when it splits.
@@ -611,17 +619,23 @@ void attend(const Problem& p, const Plan& plan, Partial* partials, Split& split)
     locals.resize(p.num_kv_heads);
     parts.resize(p.num_kv_heads);
   }
+  const int64_t group = p.num_heads / p.num_kv_heads;
   split.items(plan.num_chunks, 1, [&](int64_t chunk) {
     const int64_t req =
         std::upper_bound(plan.chunk_start.begin(), plan.chunk_start.end(), chunk) - plan.chunk_start.begin() - 1;
     const int64_t lo = plan.first[req] + (chunk - plan.chunk_start[req]) * plan.chunk_tokens;
     const int64_t hi = std::min(p.seq_lens[req], lo + plan.chunk_tokens);
     const bool alone = plan.chunk_start[req + 1] - plan.chunk_start[req] == 1;
-    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head)
-      parts[kv_head] = alone ? &locals[kv_head] : &partials[kv_head * plan.num_chunks + chunk];
+    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) parts[kv_head] = &locals[kv_head];
     attend_chunk<Dt>(p, req, lo, hi, parts.data(), queries.data());
-    if (alone)
-      for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) write_output<Dt>(p, req, kv_head, locals[kv_head]);
+    // A split request's running softmax is copied out whole: a shared Partial only ever holds final
+    // values (a work item may run twice at once, work_split.h).
+    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+      if (alone)
+        write_output<Dt>(p, req, kv_head, locals[kv_head]);
+      else
+        copy_partial(locals[kv_head], group, p.head_dim, partials[kv_head * plan.num_chunks + chunk]);
+    }
   });
   if (plan.split) {
     split.items(p.num_reqs * p.num_kv_heads, 1, [&](int64_t item) {
