@@ -113,7 +113,8 @@ class ThreadGovernor:
     few decode steps, kept when it decodes faster.
 
     A decode step is a chain of phases, and a thread that loses its core in the middle of a work item
-    holds the others at that phase's end. When other processes need the same cores, a step on as many
+    holds the others at that phase's end until they take its items over (after 0.1 ms, work_split.h),
+    and at the step's end. When other processes need the same cores, a step on as many
     threads as cores can get slower than one on fewer; when nobody else needs them, every core helps.
     Which case holds depends on the load, not on the machine (measured on 2 cores through ``strata up``
     beside one busy process: 64 streams of short cached prompts decoded faster on one thread, 4540
