@@ -188,7 +188,8 @@ class ProgressSplit {
       const int64_t following = c.next.fetch_add(grab, std::memory_order_relaxed);
       const Held held_next =
           following < n ? hold(1 - which, phase, following, std::min(n, following + grab) - following) : Held{};
-      run_held(c, n, held, first, first, last, [&](int64_t i, int64_t) { f(i, i + 1 < last ? i + 1 : following < n ? following : -1); });
+      const int64_t after_last = following < n ? following : -1;
+      run_held(c, n, held, first, first, last, [&](int64_t i, int64_t) { f(i, i + 1 < last ? i + 1 : after_last); });
       first = following;
       held = held_next;
       which = 1 - which;
@@ -235,12 +236,12 @@ class ProgressSplit {
     uint64_t word = 0;
   };
 
-  // Publishes this thread's run [first, first + count) of `phase` for others to take over (stealing
-  // regions only, and runs that fit a word).
-  Held hold(int which, size_t phase, int64_t first, int64_t count) {
+  // Publishes this thread's run [first, first + count) of `phase`, `done` of its items finished and
+  // taken over `steals` times, for others to take over (stealing regions only, runs that fit a word).
+  Held hold(int which, size_t phase, int64_t first, int64_t count, int64_t done = 0, uint64_t steals = 0) {
     if (thread_ < 0 || !run_word::fits(phase, first, count)) return {};
     HeldRun& at = counters_.held(thread_, which);
-    const uint64_t word = run_word::make(phase, first, count);
+    const uint64_t word = run_word::make(phase, first, count, done, steals);
     at.word.store(word, std::memory_order_release);
     return {&at, word};
   }
@@ -311,10 +312,8 @@ class ProgressSplit {
         }
         counters_.stolen_runs().fetch_add(1, std::memory_order_relaxed);
         const int64_t first = run_word::first(seen), count = run_word::count(seen), done = run_word::done(seen);
-        HeldRun& mine = counters_.held(thread_, 0);
-        const uint64_t taken = run_word::make(phase, first, count, done, run_word::steals(seen) + 1);
-        mine.word.store(taken, std::memory_order_release);
-        run_held(c, n, Held{&mine, taken}, first, first + done, first + count, f);
+        run_held(c, n, hold(0, phase, first, count, done, run_word::steals(seen) + 1), first, first + done,
+                 first + count, f);
         return true;
       }
     }
