@@ -138,7 +138,7 @@ class EngineCore:
         if scheduler_output.is_empty:
             return []
         if self.threads is not None:
-            self.threads.before_step(scheduler_output.one_token_each)
+            self.threads.before_step()
         runner_output = self._execute_isolating(scheduler_output.chunks)
         if self.threads is not None:
             self.threads.after_step(len(scheduler_output.chunks), scheduler_output.one_token_each,

@@ -109,8 +109,8 @@ def set_num_threads(num_threads: int | None) -> int:
 
 
 class ThreadGovernor:
-    """The engine's kernel threads, sized by trying: now and then one thread fewer (or more) for a
-    few decode steps, kept when it decodes faster.
+    """The engine's kernel threads, sized by the cores they get and by trying: now and then one thread
+    fewer (or more) for a few decode steps, kept when it decodes faster.
 
     A decode step is a chain of phases, and a thread that loses its core in the middle of a work item
     holds the others at that phase's end until they take its items over (after 0.1 ms, work_split.h),
@@ -135,23 +135,42 @@ class ThreadGovernor:
     thread of two ran about half as fast, and the probes that each change of batch size started took
     15-20% of an in-process run of 64 prompts on 2 cores.
 
-    Steps that prefill run on every thread: their matrix products are long and use every core they
-    get. Called by the thread that runs the model (OpenMP's team size is per thread): ``before_step``
-    and ``after_step`` around every step.
+    Where the cores are contended and the process got half a core or more fewer than its team
+    (``cores_got``: the CPU seconds its threads ran per second of steps, measured with each window and
+    between them every ``window_steps`` steps or ``window_seconds`` of steps that prefill), the team
+    shrinks to the cores it got at once, without a probe, and a probe up to more threads is judged
+    lost while they would get no more. Where half a core or more sat idle in the last window (of the
+    usable cores, ``usable_cores_idle``), a team below the ceiling tries one thread more at once: the
+    cores' takers left. A probe needs two windows of comparable batches, which a ramping load (64
+    streams starting) does not give for many seconds: beside one busy process on 2 cores through
+    ``strata up``, the engine got 0.85-0.99 cores on two threads (waiting 44-50% of the time; alone:
+    1.5-1.8 cores, waiting 4-20%), and the probes moved decode steps to one thread 27 and 36 s into
+    runs of ~30 s; measuring the cores moved every step there within a second, and 64 bfloat16 streams
+    beside the busy process went from 799/791 to 908/887 tok/s (one stream: 259/212 to 297/256).
+
+    Every step runs on the governed team, prefills included: fewer threads than cores means their
+    cores were taken, and a prefill's matrix products (oneDNN splits them evenly between the threads)
+    wait for a thread that lost its core as a decode step does. Called by the thread that runs the
+    model (OpenMP's team size is per thread): ``before_step`` and ``after_step`` around every step.
     """
 
     def __init__(self, ceiling: int, probe_every_s: float = 10.0, window_steps: int = 16,
-                 min_gain: float = 0.05, retry_s: float = 0.5, clock=None, set_threads=None,
-                 core_wait=None) -> None:
+                 min_gain: float = 0.05, retry_s: float = 0.5, window_seconds: float = 0.5, clock=None,
+                 set_threads=None, core_wait=None, core_idle=None) -> None:
         import time
 
         self.ceiling = self.threads = ceiling
         self._core_wait = core_wait or process_core_wait
         self._last_core_wait = self._core_wait()
+        self._core_idle = core_idle or usable_cores_idle
+        self._last_core_idle = self._core_idle()
+        self.idle_cores: float | None = None  # the usable cores left idle in the last window; None: not known
+        self._idle_trial_after = 0.0  # when idle cores may start a trial up again
         self.contended_share: float | None = None  # of the last window; None: not known here
+        self.cores_got: float | None = None  # in the last window; None: not known here
         self._applied = ceiling  # the team size set last
         self.probe_every_s, self.window_steps, self.min_gain = probe_every_s, window_steps, min_gain
-        self.retry_s = retry_s
+        self.retry_s, self.window_seconds = retry_s, window_seconds
         self._clock = clock or time.monotonic
         self._set_threads = set_threads
         self._next_probe = 0.0
@@ -159,15 +178,27 @@ class ThreadGovernor:
         self._baseline: tuple[float, float] | None = None  # (rows per second, mean rows per step) at self.threads
         self._trial_from: int | None = None  # the size a trial started from
         self._decided: tuple[float, float] | None = None  # (rows per second, rows per step) the last probe kept
+        self._sized_by_cores = False  # the size is the cores the threads got: no probe for a new load
         self._rows = self._seconds = self._steps = 0.0
+        self._step_seconds, self._steps_unmeasured = 0.0, 0  # every step's (prefills too) since the last measure
 
-    def before_step(self, decode_only: bool) -> None:
-        """Sets the team for the coming step: the governed size for a decode-only step, every thread
-        (``ceiling``) for one that prefills, whose large matrix products use every core they get."""
-        self._apply(self.threads if decode_only else self.ceiling)
+    def before_step(self) -> None:
+        """Sets the team for the coming step: the governed size."""
+        self._apply(self.threads)
 
     def after_step(self, num_rows: int, decode_only: bool, seconds: float) -> None:
-        if self.ceiling <= 1 or not decode_only or num_rows == 0:
+        self._step_seconds += seconds
+        self._steps_unmeasured += 1
+        if self.ceiling <= 1:
+            return
+        if not decode_only or num_rows == 0:
+            # the cores it gets, between decode windows too: a load that starts with many prompts
+            # prefills for seconds before it has a window of decode steps
+            measure_due = self._steps_unmeasured >= self.window_steps or self._step_seconds >= self.window_seconds
+            if self._trial_from is None and measure_due:
+                self._measure_contention()
+                if self._short_of_cores():
+                    self._shrink_to_cores_got()
             return
         self._rows += num_rows
         self._seconds += seconds
@@ -179,31 +210,71 @@ class ThreadGovernor:
         self._measure_contention()
         if self._trial_from is not None:
             self._judge(window)
+        elif self._short_of_cores():
+            self._shrink_to_cores_got()
+        elif self._cores_left_idle():  # a team the cores' takers left: try one thread more now
+            self._start_trial(window, self.threads + 1)
         elif self._probe_due(window):  # this window is the baseline: try a neighbour
             wanted = self._neighbour()
             if wanted < self.threads and not self._contended():
                 return  # alone on the cores: fewer threads would only be slower
             self._direction = -self._direction
-            self._baseline = window
-            self._trial_from = self.threads
-            self._resize(wanted)
+            self._start_trial(window, wanted)
+        elif self._decided is None:  # the first window since the team shrank to the cores it got
+            self._decided = window
+
+    def _start_trial(self, baseline: tuple[float, float], threads: int) -> None:
+        self._baseline = baseline
+        self._trial_from = self.threads
+        self._resize(threads)
 
     def _measure_contention(self) -> None:
+        idle = self._core_idle()
+        if idle is None or self._last_core_idle is None or idle[1] <= self._last_core_idle[1]:
+            self.idle_cores = None
+        else:
+            self.idle_cores = idle[2] * (idle[0] - self._last_core_idle[0]) / (idle[1] - self._last_core_idle[1])
+        self._last_core_idle = idle
         now = self._core_wait()
         if now is None or self._last_core_wait is None:
-            self.contended_share = None
+            self.contended_share = self.cores_got = None
         else:
             waited, ran = now[0] - self._last_core_wait[0], now[1] - self._last_core_wait[1]
             self.contended_share = max(0.0, waited) / max(waited + ran, 1e-9)
+            self.cores_got = max(0.0, ran) / self._step_seconds if self._step_seconds > 0 else None
         self._last_core_wait = now
+        self._step_seconds, self._steps_unmeasured = 0.0, 0
 
     def _contended(self) -> bool:
         return self.contended_share is None or self.contended_share >= CONTENDED_SHARE
 
+    def _short_of_cores(self) -> bool:
+        """The cores are contended and the last window's team got half a core or more fewer than its
+        threads."""
+        return (self.threads > 1 and self.cores_got is not None and self._contended()
+                and self.cores_got <= self.threads - 0.5)
+
+    def _cores_left_idle(self) -> bool:
+        """Fewer threads than the ceiling while half a core or more of the usable ones sat idle in the
+        last window, and no trial up lost for probe_every_s."""
+        return (self.threads < self.ceiling and self.idle_cores is not None and self.idle_cores >= 0.5
+                and self._clock() >= self._idle_trial_after)
+
+    def _shrink_to_cores_got(self) -> None:
+        wanted = max(1, round(self.cores_got))
+        log.info("kernel threads %d -> %d: they got %.2f cores, waiting for one %.0f%% of their time",
+                 self.threads, wanted, self.cores_got, 100 * self.contended_share)
+        self._resize(wanted)
+        self._decided = None  # the next window, at the new size, is what later ones compare with
+        self._sized_by_cores = True
+        self._next_probe = self._clock() + self.probe_every_s
+
     def _probe_due(self, window: tuple[float, float]) -> bool:
         """Time for a probe, or the load or the speed moved away from what the last probe saw."""
-        if self._decided is None or self._clock() >= self._next_probe:
+        if self._clock() >= self._next_probe:
             return True
+        if self._decided is None or self._sized_by_cores:
+            return False
         (decided_rate, decided_rows), (rate, rows) = self._decided, window
         if not decided_rows / 1.5 < rows < decided_rows * 1.5:
             return True
@@ -221,8 +292,11 @@ class ThreadGovernor:
         # second grow at most as fast as the rows: the trial must beat the baseline by more than its
         # extra rows could give it, and a trial with fewer rows only loses by the comparison.
         rows_ratio = rows / base_rows
-        comparable = 0.8 <= rows_ratio <= 1.25
-        switched = comparable and rate > base_rate * (1 + self.min_gain) * max(1.0, rows_ratio)
+        went_up = self.threads > self._trial_from
+        # more threads than the cores they got is a loss, whatever the batch did meanwhile
+        lost_up = went_up and self._short_of_cores()
+        comparable = 0.8 <= rows_ratio <= 1.25 or lost_up
+        switched = comparable and not lost_up and rate > base_rate * (1 + self.min_gain) * max(1.0, rows_ratio)
         if switched:
             log.info("kernel threads %d -> %d: decode steps of ~%.0f rows run at %.0f rows/s instead of %.0f",
                      self._trial_from, self.threads, rows, rate, base_rate)
@@ -230,6 +304,9 @@ class ThreadGovernor:
             self._resize(self._trial_from)
         if comparable:
             self._decided = trial if switched else self._baseline  # what the kept size decodes at
+            self._sized_by_cores = lost_up
+            if went_up and not switched and not lost_up:
+                self._idle_trial_after = self._clock() + self.probe_every_s  # idle cores it could not use
         self._baseline = self._trial_from = None
         # a probe across a change of load says nothing: try again soon
         self._next_probe = self._clock() + (self.probe_every_s if comparable else self.retry_s)
@@ -273,6 +350,28 @@ def process_core_wait() -> tuple[float, float] | None:
         ran += int(on_cpu)
         waited += int(run_delay)
     return (waited / 1e9, ran / 1e9) if ran else None
+
+
+def usable_cores_idle() -> tuple[int, int, int] | None:
+    """(idle clock ticks, all clock ticks, cores) so far of the cores this process may run on, from
+    /proc/stat (Linux); None where that is not available."""
+    try:
+        cores = os.sched_getaffinity(0)
+        with open("/proc/stat") as stat:
+            lines = stat.read().splitlines()
+    except (OSError, AttributeError):
+        return None
+    idle = total = counted = 0
+    for line in lines:
+        name, _, fields = line.partition(" ")
+        if not name.startswith("cpu"):
+            break  # the cores' lines come first
+        if name[3:].isdigit() and int(name[3:]) in cores:
+            ticks = [int(field) for field in fields.split()[:8]]  # user .. steal
+            idle += ticks[3] + ticks[4]  # idle, iowait
+            total += sum(ticks)
+            counted += 1
+    return (idle, total, counted) if counted else None
 
 
 def thread_governor(num_threads: int | None) -> ThreadGovernor | None:

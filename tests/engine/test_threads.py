@@ -85,11 +85,12 @@ class Clock:
 
 
 class CoreWait:
-    """The process's (seconds waiting for a core, seconds on one) as its threads would add them up,
-    waiting ``share`` of the time that passes on ``clock``; ``share`` None: not known here."""
+    """The process's (seconds waiting for a core, seconds on one) as its threads would add them up:
+    running on ``cores`` cores (a number, or a callable giving it) as time passes on ``clock``, and
+    waiting for one ``share`` of their runnable time; ``share`` None: not known here."""
 
-    def __init__(self, clock: Clock, share: float | None) -> None:
-        self.clock, self.share = clock, share
+    def __init__(self, clock: Clock, share: float | None, cores=1.0) -> None:
+        self.clock, self.share, self.cores = clock, share, cores
         self.waited = self.ran = 0.0
         self.seen = 0.0
 
@@ -97,19 +98,39 @@ class CoreWait:
         if self.share is None:
             return None
         passed, self.seen = self.clock.now - self.seen, self.clock.now
-        self.waited += passed * self.share
-        self.ran += passed * (1 - self.share)
+        ran = passed * (self.cores() if callable(self.cores) else self.cores)
+        self.ran += ran
+        self.waited += ran * self.share / (1 - self.share)
         return self.waited, self.ran
+
+
+class CoreIdle:
+    """The usable cores' (idle clock ticks, all clock ticks, cores) as /proc/stat would count them,
+    ``idle`` of the ``cores`` left idle as time passes on ``clock``."""
+
+    def __init__(self, clock: Clock, cores: int, idle: float = 0.0) -> None:
+        self.clock, self.cores, self.idle = clock, cores, idle
+        self.idle_ticks = self.ticks = 0.0
+        self.seen = 0.0
+
+    def __call__(self) -> tuple[float, float, int]:
+        passed, self.seen = self.clock.now - self.seen, self.clock.now
+        self.idle_ticks += passed * self.idle * 100
+        self.ticks += passed * self.cores * 100
+        return self.idle_ticks, self.ticks, self.cores
 
 
 def make_governor(ceiling: int, step_ms, contended: float | None = 0.5) -> tuple[ThreadGovernor, list[int], Clock]:
     """A governor whose decode steps take ``step_ms(threads, rows)``, its threads waiting for a core
-    ``contended`` of their time (``governor.core_wait.share``); returns it, the sizes it set and its clock."""
+    ``contended`` of their time (``governor.core_wait.share``) and each getting a core of its own
+    (``governor.core_wait.cores``), on ``ceiling`` cores none of which sits idle
+    (``governor.core_idle.idle``); returns it, the sizes it set and its clock."""
     sizes, clock = [], Clock()
-    core_wait = CoreWait(clock, contended)
+    core_wait, core_idle = CoreWait(clock, contended), CoreIdle(clock, ceiling)
     governor = ThreadGovernor(ceiling, probe_every_s=10.0, window_steps=4, clock=clock, set_threads=sizes.append,
-                              core_wait=core_wait)
-    governor.step_ms, governor.core_wait = step_ms, core_wait
+                              core_wait=core_wait, core_idle=core_idle)
+    core_wait.cores = lambda: governor.threads
+    governor.step_ms, governor.core_wait, governor.core_idle = step_ms, core_wait, core_idle
     return governor, sizes, clock
 
 
@@ -135,6 +156,7 @@ def test_governor_keeps_fewer_threads_when_they_decode_faster():
 def test_governor_keeps_every_thread_when_they_help_and_ignores_other_steps():
     governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 45.0, 2: 26.0}[threads])
     for _ in range(20):
+        clock.now += 0.1
         governor.after_step(300, False, 0.1)  # mixed steps say nothing about decoding
     assert sizes == []
     decode(governor, clock, 64, 8)
@@ -184,15 +206,88 @@ def test_a_neighbour_slowing_the_same_batch_starts_a_probe_at_once():
     assert governor.threads == 1 and sizes == [1, 2, 1]
 
 
-def test_steps_that_prefill_run_on_every_thread():
+def test_every_step_runs_on_the_governed_team():
     governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 4.0, 2: 6.0}[threads])
     decode(governor, clock, 1, 8)
     assert governor.threads == 1 and sizes == [1]
-    governor.before_step(decode_only=True)
+    governor.before_step()
     assert sizes == [1]  # unchanged: nothing to set
-    governor.before_step(decode_only=False)
-    governor.before_step(decode_only=True)
-    assert sizes == [1, 2, 1] and governor.threads == 1
+    governor.after_step(300, False, 0.05)  # a step that prefilled: on the same team, no window of its own
+    governor.before_step()
+    assert sizes == [1] and governor.threads == 1
+
+
+def test_short_of_cores_the_team_shrinks_to_the_cores_it_got_at_once():
+    # beside a busy process on 2 cores: two threads get 0.95 cores between them, waiting 48% of the time
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 30.0, 2: 28.0}[threads] + 0.1 * rows,
+                                           contended=0.48)
+    governor.core_wait.cores = 0.95
+    decode(governor, clock, 30, 4)  # one window, no probe: the rates did not decide it
+    assert governor.threads == 1 and sizes == [1] and governor.cores_got == pytest.approx(0.95)
+    decode(governor, clock, 40, 40)  # a ramping batch and the window at the new size: no probe before probe_every_s
+    assert sizes == [1]
+    clock.now += 10.0
+    decode(governor, clock, 64, 8)  # the probe up: two threads still get under one core, lost at any batch
+    assert governor.threads == 1 and sizes == [1, 2, 1]
+    decode(governor, clock, 30, 40)  # the next comes after probe_every_s: not after retry_s, nor for a new batch
+    assert sizes == [1, 2, 1]
+    governor.core_wait.cores, governor.core_wait.share = (lambda: governor.threads), 0.05  # the neighbour left
+    governor.core_idle.idle = 0.9  # and its core sits idle: a trial up at once, before probe_every_s
+    governor.step_ms = lambda threads, rows: {1: 30.0, 2: 18.0}[threads] + 0.1 * rows
+    decode(governor, clock, 30, 8)
+    assert governor.threads == 2 and sizes == [1, 2, 1, 2]
+
+
+def test_idle_cores_start_a_trial_up_and_one_it_loses_waits_for_probe_every_s():
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 4.6, 2: 5.9}[threads])
+    decode(governor, clock, 1, 8)  # one stream through the stack: the probe keeps one thread
+    assert governor.threads == 1 and sizes == [1]
+    governor.core_idle.idle = 0.6  # the other core idles part of the time, and two threads are still slower
+    decode(governor, clock, 1, 8)
+    assert governor.threads == 1 and sizes == [1, 2, 1]
+    decode(governor, clock, 1, 40)
+    assert sizes == [1, 2, 1]  # not again before probe_every_s
+    clock.now += 10.0
+    decode(governor, clock, 1, 8)
+    assert sizes == [1, 2, 1, 2, 1]
+    governor.core_idle.idle = 0.3  # less than half a core idle: nothing before probe_every_s
+    governor.step_ms = lambda threads, rows: {1: 4.6, 2: 3.0}[threads]
+    decode(governor, clock, 1, 40)
+    assert sizes == [1, 2, 1, 2, 1] and governor.idle_cores == pytest.approx(0.3)
+    # on every thread already: idle cores start nothing
+    governor, sizes, clock = make_governor(2, lambda threads, rows: 3.0, contended=0.05)
+    governor.core_idle.idle = 0.9
+    decode(governor, clock, 1, 40)
+    assert sizes == [] and governor.idle_cores == pytest.approx(0.9)
+
+
+def test_steps_that_prefill_show_the_cores_it_got_before_any_window_of_decode_steps():
+    governor, sizes, clock = make_governor(2, lambda threads, rows: 10.0, contended=0.48)
+    governor.core_wait.cores = 0.95
+    for _ in range(2):
+        clock.now += 0.2
+        governor.after_step(64, False, 0.2)
+    assert sizes == []
+    clock.now += 0.2
+    governor.after_step(64, False, 0.2)  # 0.6 s of prefills: more than window_seconds, fewer steps than window_steps
+    assert governor.threads == 1 and sizes == [1] and governor.cores_got == pytest.approx(0.95)
+
+
+def test_the_team_shrinks_to_the_cores_it_got_only_where_they_were_contended():
+    governor, sizes, clock = make_governor(8, lambda threads, rows: 10.0, contended=0.4)
+    governor.core_wait.cores = 5.3
+    decode(governor, clock, 8, 4)
+    assert governor.threads == 5 and sizes == [5]
+    governor, sizes, clock = make_governor(2, lambda threads, rows: 10.0, contended=0.1)  # little wait: not a neighbour
+    governor.core_wait.cores = 1.2
+    decode(governor, clock, 8, 40)
+    assert governor.threads == 2 and sizes == []
+    governor, sizes, clock = make_governor(2, lambda threads, rows: 10.0, contended=0.48)  # within half a core
+    governor.core_wait.cores = 1.6
+    decode(governor, clock, 8, 4)
+    assert sizes == [1]  # a probe, not a shrink: it tries one thread and goes back at equal speed
+    decode(governor, clock, 8, 4)
+    assert governor.threads == 2 and sizes == [1, 2]
 
 
 def test_alone_on_its_cores_it_never_probes_fewer_threads():
