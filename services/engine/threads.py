@@ -129,24 +129,25 @@ class ThreadGovernor:
     Between 1 and ``ceiling``.
 
     A probe down to fewer threads runs only while the cores are contended: while this process's
-    threads spent at least ``CONTENDED_SHARE`` of their runnable time waiting for a core in the last
-    window (``process_core_wait``, from /proc; always where that is unknown). Alone on its cores an
-    engine decodes fastest on all of them, and a probe there only costs: 16 steps of 64 rows on one
-    thread of two ran about half as fast, and the probes that each change of batch size started took
-    15-20% of an in-process run of 64 prompts on 2 cores.
+    threads spent at least ``CONTENDED_SHARE`` of their runnable time waiting for a core
+    (``process_core_wait``, from /proc; always where that is unknown). Alone on its cores an engine
+    decodes fastest on all of them, and a probe there only costs: 16 steps of 64 rows on one thread of
+    two ran about half as fast, and the probes that each change of batch size started took 15-20% of
+    an in-process run of 64 prompts on 2 cores. The share, and the cores below, are measured over every
+    ``window_seconds`` of steps (prefills too) and over each trial, which lasts that long at least: at
+    one stream 16 decode steps last ~30 ms, and over so few the share crossed a third now and then
+    through ``strata up`` alone, where a probe then put the engine on one thread.
 
     Where the cores are contended and the process got half a core or more fewer than its team
-    (``cores_got``: the CPU seconds its threads ran per second of steps, measured with each window and
-    between them every ``window_steps`` steps or ``window_seconds`` of steps that prefill), the team
-    shrinks to the cores it got at once, without a probe, and a probe up to more threads is judged
-    lost while they would get no more. Where half a core or more sat idle in the last window (of the
-    usable cores, ``usable_cores_idle``), a team below the ceiling tries one thread more at once: the
+    (``cores_got``: the CPU seconds its threads ran per second of steps) in two measures in a row, the
+    team shrinks to the cores it got at once, without a probe, and a probe up to more threads is judged
+    lost while they would get no more. Where half a core or more of the usable ones sat idle in the
+    last measure (``usable_cores_idle``), a team below the ceiling tries one thread more at once: the
     cores' takers left. A probe needs two windows of comparable batches, which a ramping load (64
     streams starting) does not give for many seconds: beside one busy process on 2 cores through
     ``strata up``, the engine got 0.85-0.99 cores on two threads (waiting 44-50% of the time; alone:
-    1.5-1.8 cores, waiting 4-20%), and the probes moved decode steps to one thread 27 and 36 s into
-    runs of ~30 s; measuring the cores moved every step there within a second, and 64 bfloat16 streams
-    beside the busy process went from 799/791 to 908/887 tok/s (one stream: 259/212 to 297/256).
+    1.5-1.8 cores, waiting 4-20%), and the probes moved decode steps to one thread 8-36 s into runs of
+    ~30 s; measuring the cores moved every step there within a few seconds.
 
     Every step runs on the governed team, prefills included: fewer threads than cores means their
     cores were taken, and a prefill's matrix products (oneDNN splits them evenly between the threads)
@@ -166,6 +167,7 @@ class ThreadGovernor:
         self._last_core_idle = self._core_idle()
         self.idle_cores: float | None = None  # the usable cores left idle in the last window; None: not known
         self._idle_trial_after = 0.0  # when idle cores may start a trial up again
+        self._short_before = self._short_now = False  # short of cores in the window before the last, the last
         self.contended_share: float | None = None  # of the last window; None: not known here
         self.cores_got: float | None = None  # in the last window; None: not known here
         self._applied = ceiling  # the team size set last
@@ -180,7 +182,8 @@ class ThreadGovernor:
         self._decided: tuple[float, float] | None = None  # (rows per second, rows per step) the last probe kept
         self._sized_by_cores = False  # the size is the cores the threads got: no probe for a new load
         self._rows = self._seconds = self._steps = 0.0
-        self._step_seconds, self._steps_unmeasured = 0.0, 0  # every step's (prefills too) since the last measure
+        self._step_seconds = 0.0  # of every step (prefills too) since the last measure
+        self._trial_measured = False  # whether the cores were measured since the trial began
 
     def before_step(self) -> None:
         """Sets the team for the coming step: the governed size."""
@@ -188,30 +191,25 @@ class ThreadGovernor:
 
     def after_step(self, num_rows: int, decode_only: bool, seconds: float) -> None:
         self._step_seconds += seconds
-        self._steps_unmeasured += 1
         if self.ceiling <= 1:
             return
+        if self._step_seconds >= self.window_seconds:  # every step counts: a load that starts with many
+            self._measure_contention()                 # prompts prefills for seconds before it decodes
+            if self._trial_from is None and self._short_of_cores(twice=True):
+                self._shrink_to_cores_got()
         if not decode_only or num_rows == 0:
-            # the cores it gets, between decode windows too: a load that starts with many prompts
-            # prefills for seconds before it has a window of decode steps
-            measure_due = self._steps_unmeasured >= self.window_steps or self._step_seconds >= self.window_seconds
-            if self._trial_from is None and measure_due:
-                self._measure_contention()
-                if self._short_of_cores():
-                    self._shrink_to_cores_got()
             return
         self._rows += num_rows
         self._seconds += seconds
         self._steps += 1
-        if self._steps < self.window_steps:
-            return
+        if self._steps < self.window_steps or (self._trial_from is not None and not self._trial_measured):
+            return  # a trial goes on until the cores its threads got are known
         window = (self._rows / self._seconds, self._rows / self._steps)  # (rows per second, rows per step)
         self._rows = self._seconds = self._steps = 0.0
-        self._measure_contention()
         if self._trial_from is not None:
             self._judge(window)
-        elif self._short_of_cores():
-            self._shrink_to_cores_got()
+        elif self._short_now:
+            pass  # the next measure says whether it is short of cores again
         elif self._cores_left_idle():  # a team the cores' takers left: try one thread more now
             self._start_trial(window, self.threads + 1)
         elif self._probe_due(window):  # this window is the baseline: try a neighbour
@@ -227,6 +225,11 @@ class ThreadGovernor:
         self._baseline = baseline
         self._trial_from = self.threads
         self._resize(threads)
+        self._restart_measure()  # what the trial's threads get, not what the window before's did
+
+    def _restart_measure(self) -> None:
+        self._last_core_idle, self._last_core_wait = self._core_idle(), self._core_wait()
+        self._step_seconds, self._trial_measured = 0.0, False
 
     def _measure_contention(self) -> None:
         idle = self._core_idle()
@@ -242,17 +245,24 @@ class ThreadGovernor:
             waited, ran = now[0] - self._last_core_wait[0], now[1] - self._last_core_wait[1]
             self.contended_share = max(0.0, waited) / max(waited + ran, 1e-9)
             self.cores_got = max(0.0, ran) / self._step_seconds if self._step_seconds > 0 else None
+        self._short_before, self._short_now = self._short_now, self._short_of_cores()
         self._last_core_wait = now
-        self._step_seconds, self._steps_unmeasured = 0.0, 0
+        self._step_seconds, self._trial_measured = 0.0, True
 
     def _contended(self) -> bool:
-        return self.contended_share is None or self.contended_share >= CONTENDED_SHARE
+        """At least CONTENDED_SHARE in the last measure; where none is possible, always (before the
+        first, never)."""
+        if self.contended_share is None:
+            return self._last_core_wait is None
+        return self.contended_share >= CONTENDED_SHARE
 
-    def _short_of_cores(self) -> bool:
+    def _short_of_cores(self, twice: bool = False) -> bool:
         """The cores are contended and the last window's team got half a core or more fewer than its
-        threads."""
-        return (self.threads > 1 and self.cores_got is not None and self._contended()
-                and self.cores_got <= self.threads - 0.5)
+        threads; ``twice``: the window before's too (one stream through ``strata up`` alone is short
+        in a window now and then, a busy neighbour's in every one)."""
+        short = (self.threads > 1 and self.cores_got is not None and self._contended()
+                 and self.cores_got <= self.threads - 0.5)
+        return short and (not twice or self._short_before)
 
     def _cores_left_idle(self) -> bool:
         """Fewer threads than the ceiling while half a core or more of the usable ones sat idle in the
@@ -262,6 +272,7 @@ class ThreadGovernor:
 
     def _shrink_to_cores_got(self) -> None:
         wanted = max(1, round(self.cores_got))
+        self._short_now = False  # the measures at the new size start over
         log.info("kernel threads %d -> %d: they got %.2f cores, waiting for one %.0f%% of their time",
                  self.threads, wanted, self.cores_got, 100 * self.contended_share)
         self._resize(wanted)

@@ -127,8 +127,8 @@ def make_governor(ceiling: int, step_ms, contended: float | None = 0.5) -> tuple
     (``governor.core_idle.idle``); returns it, the sizes it set and its clock."""
     sizes, clock = [], Clock()
     core_wait, core_idle = CoreWait(clock, contended), CoreIdle(clock, ceiling)
-    governor = ThreadGovernor(ceiling, probe_every_s=10.0, window_steps=4, clock=clock, set_threads=sizes.append,
-                              core_wait=core_wait, core_idle=core_idle)
+    governor = ThreadGovernor(ceiling, probe_every_s=10.0, window_steps=4, window_seconds=0.01, clock=clock,
+                              set_threads=sizes.append, core_wait=core_wait, core_idle=core_idle)
     core_wait.cores = lambda: governor.threads
     governor.step_ms, governor.core_wait, governor.core_idle = step_ms, core_wait, core_idle
     return governor, sizes, clock
@@ -177,6 +177,8 @@ def test_governor_moves_one_thread_at_a_time_and_needs_a_clear_gain():
 def test_a_probe_across_a_change_of_batch_size_is_thrown_away():
     governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 2.0, 2: 3.0}[threads])
     decode(governor, clock, 64, 4)  # baseline at 64 rows
+    decode(governor, clock, 8, 4)
+    assert sizes == [1]  # 8 ms of trial: not window_seconds yet, the trial goes on
     decode(governor, clock, 8, 4)  # the trial saw another load: not comparable
     assert governor.threads == 2 and sizes == [1, 2]
 
@@ -222,7 +224,9 @@ def test_short_of_cores_the_team_shrinks_to_the_cores_it_got_at_once():
     governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 30.0, 2: 28.0}[threads] + 0.1 * rows,
                                            contended=0.48)
     governor.core_wait.cores = 0.95
-    decode(governor, clock, 30, 4)  # one window, no probe: the rates did not decide it
+    decode(governor, clock, 30, 1)  # one measure short of cores starts nothing (a step is more than window_seconds)
+    assert sizes == []
+    decode(governor, clock, 30, 1)  # a second shrinks the team, no probe: the rates did not decide it
     assert governor.threads == 1 and sizes == [1] and governor.cores_got == pytest.approx(0.95)
     decode(governor, clock, 40, 40)  # a ramping batch and the window at the new size: no probe before probe_every_s
     assert sizes == [1]
@@ -263,20 +267,21 @@ def test_idle_cores_start_a_trial_up_and_one_it_loses_waits_for_probe_every_s():
 
 def test_steps_that_prefill_show_the_cores_it_got_before_any_window_of_decode_steps():
     governor, sizes, clock = make_governor(2, lambda threads, rows: 10.0, contended=0.48)
-    governor.core_wait.cores = 0.95
-    for _ in range(2):
+    governor.core_wait.cores, governor.window_seconds = 0.95, 0.5
+    for _ in range(3):
         clock.now += 0.2
         governor.after_step(64, False, 0.2)
-    assert sizes == []
-    clock.now += 0.2
-    governor.after_step(64, False, 0.2)  # 0.6 s of prefills: more than window_seconds, fewer steps than window_steps
+    assert sizes == [] and governor.cores_got == pytest.approx(0.95)  # one measure, after 0.6 s of prefills
+    for _ in range(3):
+        clock.now += 0.2
+        governor.after_step(64, False, 0.2)  # the second
     assert governor.threads == 1 and sizes == [1] and governor.cores_got == pytest.approx(0.95)
 
 
 def test_the_team_shrinks_to_the_cores_it_got_only_where_they_were_contended():
     governor, sizes, clock = make_governor(8, lambda threads, rows: 10.0, contended=0.4)
     governor.core_wait.cores = 5.3
-    decode(governor, clock, 8, 4)
+    decode(governor, clock, 8, 8)
     assert governor.threads == 5 and sizes == [5]
     governor, sizes, clock = make_governor(2, lambda threads, rows: 10.0, contended=0.1)  # little wait: not a neighbour
     governor.core_wait.cores = 1.2
@@ -288,6 +293,12 @@ def test_the_team_shrinks_to_the_cores_it_got_only_where_they_were_contended():
     assert sizes == [1]  # a probe, not a shrink: it tries one thread and goes back at equal speed
     decode(governor, clock, 8, 4)
     assert governor.threads == 2 and sizes == [1, 2]
+    governor, sizes, clock = make_governor(2, lambda threads, rows: 10.0, contended=0.48)  # short once
+    governor.core_wait.cores = 0.95
+    decode(governor, clock, 8, 1)
+    governor.core_wait.cores = lambda: governor.threads
+    decode(governor, clock, 8, 40)
+    assert governor.threads == 2 and sizes == [1, 2]  # then only the probe the next window started
 
 
 def test_alone_on_its_cores_it_never_probes_fewer_threads():
@@ -311,6 +322,20 @@ def test_a_neighbour_taking_the_cores_lets_it_probe_and_fewer_threads_probe_up_r
     clock.now += 10.0  # the next probe is due
     decode(governor, clock, 1, 8)
     assert governor.threads == 2 and sizes == [1, 2]
+
+
+def test_no_probe_down_before_the_wait_for_a_core_was_measured_over_window_seconds():
+    # one stream: 16 steps of ~2 ms are too few to tell contention from a moment's noise
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 1.8, 2: 2.0}[threads], contended=0.5)
+    governor.window_seconds = 0.5
+    decode(governor, clock, 1, 200)  # 0.4 s
+    assert sizes == [] and governor.contended_share is None
+    decode(governor, clock, 1, 60)  # measured: the next window probes, and the trial lasts window_seconds
+    assert sizes == [1] and governor.contended_share == pytest.approx(0.5)
+    decode(governor, clock, 1, 200)
+    assert sizes == [1]
+    decode(governor, clock, 1, 100)
+    assert governor.threads == 1 and sizes == [1]  # kept: 10% faster
 
 
 def test_where_the_wait_for_a_core_is_unknown_it_probes_as_before():
