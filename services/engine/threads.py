@@ -165,11 +165,11 @@ class ThreadGovernor:
         self._last_core_wait = self._core_wait()
         self._core_idle = core_idle or usable_cores_idle
         self._last_core_idle = self._core_idle()
-        self.idle_cores: float | None = None  # the usable cores left idle in the last window; None: not known
+        self.idle_cores: float | None = None  # the usable cores left idle in the last measure; None: not known
         self._idle_trial_after = 0.0  # when idle cores may start a trial up again
-        self._short_before = self._short_now = False  # short of cores in the window before the last, the last
-        self.contended_share: float | None = None  # of the last window; None: not known here
-        self.cores_got: float | None = None  # in the last window; None: not known here
+        self._short_before = self._short_now = False  # short of cores in the measure before the last, the last
+        self.contended_share: float | None = None  # of the last measure; None: not known here
+        self.cores_got: float | None = None  # in the last measure; None: not known here
         self._applied = ceiling  # the team size set last
         self.probe_every_s, self.window_steps, self.min_gain = probe_every_s, window_steps, min_gain
         self.retry_s, self.window_seconds = retry_s, window_seconds
@@ -232,6 +232,7 @@ class ThreadGovernor:
         self._step_seconds, self._trial_measured = 0.0, False
 
     def _measure_contention(self) -> None:
+        """The wait for a core, the cores got and the idle cores since the last measure."""
         idle = self._core_idle()
         if idle is None or self._last_core_idle is None or idle[1] <= self._last_core_idle[1]:
             self.idle_cores = None
@@ -257,16 +258,16 @@ class ThreadGovernor:
         return self.contended_share >= CONTENDED_SHARE
 
     def _short_of_cores(self, twice: bool = False) -> bool:
-        """The cores are contended and the last window's team got half a core or more fewer than its
-        threads; ``twice``: the window before's too (one stream through ``strata up`` alone is short
-        in a window now and then, a busy neighbour's in every one)."""
+        """The cores are contended and the last measure's team got half a core or more fewer than its
+        threads; ``twice``: the measure before's too (one stream through ``strata up`` alone is short
+        in a measure now and then, beside a busy process in every one)."""
         short = (self.threads > 1 and self.cores_got is not None and self._contended()
                  and self.cores_got <= self.threads - 0.5)
         return short and (not twice or self._short_before)
 
     def _cores_left_idle(self) -> bool:
         """Fewer threads than the ceiling while half a core or more of the usable ones sat idle in the
-        last window, and no trial up lost for probe_every_s."""
+        last measure, and no trial up lost for probe_every_s."""
         return (self.threads < self.ceiling and self.idle_cores is not None and self.idle_cores >= 0.5
                 and self._clock() >= self._idle_trial_after)
 
