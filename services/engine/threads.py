@@ -218,7 +218,7 @@ class ThreadGovernor:
                 return  # alone on the cores: fewer threads would only be slower
             self._direction = -self._direction
             self._start_trial(window, wanted)
-        elif self._decided is None:  # the first window since the team shrank to the cores it got
+        elif self._decided is None:  # no probe kept one yet (or the team shrank): later windows compare with it
             self._decided = window
 
     def _start_trial(self, baseline: tuple[float, float], threads: int) -> None:

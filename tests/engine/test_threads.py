@@ -355,6 +355,17 @@ def test_this_process_wait_for_a_core_is_read_from_proc():
         assert waited >= 0 and ran > 0
 
 
+def test_the_usable_cores_idle_time_is_read_from_proc_stat():
+    from services.engine.threads import usable_cores_idle
+
+    reading = usable_cores_idle()
+    if not os.path.exists("/proc/stat"):
+        assert reading is None
+    else:
+        idle, total, cores = reading
+        assert 0 <= idle <= total and cores == len(os.sched_getaffinity(0))
+
+
 def test_a_trial_at_a_somewhat_larger_batch_must_beat_what_its_extra_rows_give():
     # rows per second grow with the batch: 10% more rows and 8% more rows/s is no gain of its own
     governor, sizes, clock = make_governor(2, lambda threads, rows: 20.0 + 0.1 * rows)
