@@ -33,6 +33,21 @@ def test_matches_reference(dtype, m, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# 128 rows a block of rows per item (kPassesPerRowBlock passes of 8): 129 ends in a block of one row,
+# 300 in a block of six passes, the last partial
+@pytest.mark.parametrize("m", [129, 300])
+def test_many_rows_in_row_blocks(dtype, m):
+    x, weight, b = _case(m, 1024, 1376, dtype, bias=True, seed=m)
+    blocked = block_weight(weight)
+    y = small_m_linear(x, blocked, b, 1024)
+    torch.testing.assert_close(y, linear_ref(x, weight, b), **TOLERANCES[dtype])
+    if dtype == torch.float32:  # each output sums in k order whatever rows run beside it: the same bits
+        whole = m - m % 8  # (one row alone runs another kernel)
+        by_pass = torch.cat([small_m_linear(x[r:r + 8], blocked, b, 1024) for r in range(0, whole, 8)])
+        assert torch.equal(y[:whole], by_pass)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 4, 9])
 def test_logits_shape(dtype, m):
     x, weight, _ = _case(m, 8192, 512, dtype, bias=False)

@@ -4,12 +4,14 @@
 // that one 64-byte load feeds all 16 outputs of a panel:
 //   float32:  [panels, K, 16]
 //   bfloat16: [panels, K_pairs, 16, 2] (K padded to even with zeros): pairs for _mm512_dpbf16_ps.
-// x is first packed (tiny, once per call) in passes of kRowsPerPass rows interleaved along K, so the
-// inner loop broadcasts each row's element from one pointer. Each thread streams through a contiguous
-// run of panels, holding a pass of rows against one panel in registers: M rows cost one pass over the
+// x is first packed (once per call, by the threads together from a few passes up) in passes of
+// kRowsPerPass rows interleaved along K, so the inner loop broadcasts each row's element from one
+// pointer. Each thread streams through a contiguous run of panels, holding a pass of rows against one panel in registers: M rows cost one pass over the
 // weights (more rows re-read the panel from cache, not from memory). The threads share the panels as
 // the decode step's do (ProgressSplit, work_split.h).
 // bfloat16 from kAmxMinRows rows runs on AMX tiles where the CPU and the OS allow (linear_panels.h).
+
+#include <memory>
 
 #include "linear_panels.h"
 
@@ -19,16 +21,24 @@ extern "C" {
 // y: [m, n] with row stride y_stride.
 void linear_f32(const float* x, int64_t m, int64_t x_stride, const float* blocked, const float* bias,
                 int64_t n, int64_t k, float* y, int64_t y_stride) {
-    const std::vector<float> x_packed = pack_x<float>(x, m, x_stride, k, k, 1, [](float v) { return v; });
+    const std::unique_ptr<float[]> x_packed(new float[m * k]);  // every element written by pack_x
+    auto identity = [](float v) { return v; };
+    const bool together = packs_x_together(m);
+    if (!together) {
+        PhaseCounters alone(1);
+        ProgressSplit serial(alone);
+        pack_x(x_packed.get(), x, m, x_stride, k, k, 1, identity, serial);
+    }
     auto store = [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
         float* out = y + row * y_stride + first_out;
         for (int o = 0; o < num_outs; ++o) out[o] = acc[o] + (bias ? bias[first_out + o] : 0.0f);
     };
-    PhaseCounters counters(1);
+    PhaseCounters counters(2);  // the packing of x (unless done above), the panels
 #pragma omp parallel
     {
         ProgressSplit split(counters);
-        run_panels_f32(x_packed.data(), m, k, blocked, k * kPanel, k, n, store, split);
+        if (together) pack_x(x_packed.get(), x, m, x_stride, k, k, 1, identity, split);
+        run_panels_f32(x_packed.get(), m, k, blocked, k * kPanel, k, n, store, split);
     }
 }
 
@@ -51,12 +61,19 @@ void linear_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t*
         }
         return;
     }
-    const std::vector<XElement> x_packed = pack_x<XElement>(x, m, x_stride, k, k_pairs, 2, x_element);
-    PhaseCounters counters(1);
+    const std::unique_ptr<XElement[]> x_packed(new XElement[m * k_pairs * 2]);  // every element written by pack_x
+    const bool together = packs_x_together(m);
+    if (!together) {
+        PhaseCounters alone(1);
+        ProgressSplit serial(alone);
+        pack_x(x_packed.get(), x, m, x_stride, k, k_pairs, 2, x_element, serial);
+    }
+    PhaseCounters counters(2);  // the packing of x (unless done above), the panels
 #pragma omp parallel
     {
         ProgressSplit split(counters);
-        run_panels_bf16(x_packed.data(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store, split);
+        if (together) pack_x(x_packed.get(), x, m, x_stride, k, k_pairs, 2, x_element, split);
+        run_panels_bf16(x_packed.get(), m, 2 * k_pairs, blocked, k_pairs * 2 * kPanel, k_pairs, n, store, split);
     }
 }
 

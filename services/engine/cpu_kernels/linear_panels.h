@@ -29,6 +29,7 @@ constexpr int kStreamPrefetchBytes = 4096;  // the same for one row, into L2 (se
 constexpr int kChains = 4;          // independent sums of a one-row panel (hides the FMA latency)
 constexpr int kPanelsPerGrab = 4;     // panels a thread takes at a time (contiguous, one stream to prefetch)
 constexpr int kGroupPanels = 3;       // panels computed together from two rows up (panel_group_f32, _bf16)
+constexpr int64_t kPassesPerRowBlock = 16;  // passes of rows a group runs against at a time (run_panel_groups)
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = uint32_t(h) << 16;
@@ -468,13 +469,21 @@ void pack_x_pass(XT* packed, const From* x, int64_t m, int64_t x_stride, int64_t
             pass[((kk / group) * rows + i) * group + kk % group] = convert(x[(r0 + i) * x_stride + kk]);
 }
 
-template <typename XT, typename From, typename Convert>
-std::vector<XT> pack_x(const From* x, int64_t m, int64_t x_stride, int64_t k, int64_t k_steps, int group,
-                       Convert convert) {
-    std::vector<XT> packed(m * k_steps * group);
-    for (int64_t p = 0; p < passes_of(m); ++p) pack_x_pass(packed.data(), x, m, x_stride, k, k_steps, group, convert, p);
-    return packed;
+// pack_x_pass for every pass of x into `packed` (m * k_steps * group elements, every one written), as one
+// phase of `split`: shared by the threads of the enclosing parallel region, serial outside one.
+template <typename XT, typename From, typename Convert, typename Split>
+void pack_x(XT* packed, const From* x, int64_t m, int64_t x_stride, int64_t k, int64_t k_steps, int group,
+            Convert convert, Split& split) {
+    split.items(passes_of(m), 1, [&](int64_t p) { pack_x_pass(packed, x, m, x_stride, k, k_steps, group, convert, p); });
 }
+
+// Whether the threads pack x together, in their region: from a few passes up. Fewer are packed before it
+// by the caller alone, since a phase costs the threads more than a pass or two takes. Over the small
+// shape's four projections (bfloat16, two threads of a Zen 4, interleaved in one process), x packed by
+// the caller into a zeroed buffer took ~2.5% of the time from 256 rows up (this and the row blocks of
+// run_panel_groups: 128 rows 1.02x the GFLOP/s, 256 to 2048 rows 1.04-1.05x; float32 0.98-1.01x);
+// packed in the region at 1 and 8 rows too, they ran 0.94x and 0.99x.
+inline bool packs_x_together(int64_t m) { return passes_of(m) >= 3; }
 
 // For every panel (split over the threads of the enclosing parallel region by `split`, work_split.h;
 // serial outside one) and every pass of rows: accumulate, then hand each row's accumulators and the
@@ -508,6 +517,10 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
 // 292-294 -> 303-328; a 64-row float32 decode step of the small shape 14.0 -> 13.5-13.7 ms at a context
 // of 16, 31.4-31.7 -> 29.2-30.3 ms at 400.
 //
+// Beyond kPassesPerRowBlock passes, an item is a group against a block of that many passes, the items
+// of a block in turn, so that the block's rows stay in L2 while the groups stream past them: otherwise
+// every group reads all of x again from L3 (from 256 rows, bfloat16: 1.025x the GFLOP/s).
+//
 // run_panel_groups is that loop for either dtype: PanelGroup<NP>::Rows<MR> the group kernel, Single<MR>
 // the one-row one, `k` the kernels' K steps (elements for float32, pairs for bfloat16).
 template <template <int> class PanelGroup, template <int> class Single, typename XT, typename WT, typename Store,
@@ -521,8 +534,14 @@ void run_panel_groups(const XT* x_packed, int64_t m, int64_t x_pass_stride, cons
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
     const int64_t num_groups = (num_panels + kGroupPanels - 1) / kGroupPanels;
     const int64_t passes = passes_of(m);
-    split.items_ahead(num_groups, 1, [&](int64_t group, int64_t next_group) {
+    const int64_t block_passes = std::max<int64_t>(1, std::min(passes, kPassesPerRowBlock));  // 1 for no rows
+    const int64_t row_blocks = (passes + block_passes - 1) / block_passes;
+    // Item i: the group i % num_groups against the row block i / num_groups.
+    split.items_ahead(row_blocks * num_groups, 1, [&](int64_t item, int64_t next_item) {
         alignas(64) float acc[kGroupPanels * kRowsPerPass][kPanel];
+        const int64_t group = item % num_groups, next_group = next_item >= 0 ? next_item % num_groups : -1;
+        const int64_t first_pass = item / num_groups * block_passes;
+        const int64_t last_pass = std::min(passes, first_pass + block_passes);
         const int64_t first_panel = kGroupPanels * group;
         const int panels = int(std::min<int64_t>(kGroupPanels, num_panels - first_panel));
         const WT* panel = blocked + first_panel * panel_elems;
@@ -531,11 +550,13 @@ void run_panel_groups(const XT* x_packed, int64_t m, int64_t x_pass_stride, cons
         const int64_t next_panels = next_group >= 0 ? std::min<int64_t>(kGroupPanels, num_panels - next_first) : 0;
         const int64_t next_lines = next_panels * panel_elems * int64_t(sizeof(WT)) / 64;
         const char* next = next_group >= 0 ? reinterpret_cast<const char*>(blocked + next_first * panel_elems) : nullptr;
-        for (int64_t r0 = 0, pass = 0; r0 < m; r0 += kRowsPerPass, ++pass) {
+        const int64_t item_passes = last_pass - first_pass;
+        for (int64_t pass = first_pass; pass < last_pass; ++pass) {
+            const int64_t r0 = pass * kRowsPerPass, nth = pass - first_pass;
             const int rows = int(std::min<int64_t>(kRowsPerPass, m - r0));
             const XT* x_pass = x_packed + r0 * x_pass_stride;
-            const char* ahead = next + next_lines * pass / passes * 64;
-            const int64_t lines = next_lines * (pass + 1) / passes - next_lines * pass / passes;
+            const char* ahead = next + next_lines * nth / item_passes * 64;
+            const int64_t lines = next_lines * (nth + 1) / item_passes - next_lines * nth / item_passes;
             if (panels == 3)
                 dispatch_rows<PanelGroup<3>::template Rows>(rows, x_pass, panel, panel_elems, k, acc, ahead, lines);
             else if (panels == 2)
