@@ -479,10 +479,11 @@ void pack_x(XT* packed, const From* x, int64_t m, int64_t x_stride, int64_t k, i
 
 // Whether the threads pack x together, in their region: from a few passes up. Fewer are packed before it
 // by the caller alone, since a phase costs the threads more than a pass or two takes. Over the small
-// shape's four projections (bfloat16, two threads of a Zen 4, interleaved in one process), x packed by
-// the caller into a zeroed buffer took ~2.5% of the time from 256 rows up (this and the row blocks of
-// run_panel_groups: 128 rows 1.02x the GFLOP/s, 256 to 2048 rows 1.04-1.05x; float32 0.98-1.01x);
-// packed in the region at 1 and 8 rows too, they ran 0.94x and 0.99x.
+// shape's four projections (bfloat16, two threads of a Zen 4, both builds called in turn in one
+// process), packing in the region into an unzeroed buffer, with the row blocks of run_panel_groups, ran
+// 1.02x the GFLOP/s of packing before it into a zeroed one at 128 rows and 1.04-1.05x from 256 to 2048
+// rows (the row blocks alone 1.025x; float32 0.98-1.01x). Packed in the region at 1 and 8 rows too, it
+// ran 0.94x and 0.99x: hence the threshold.
 inline bool packs_x_together(int64_t m) { return passes_of(m) >= 3; }
 
 // For every panel (split over the threads of the enclosing parallel region by `split`, work_split.h;
