@@ -6,9 +6,9 @@
 //   bfloat16: [panels, K_pairs, 16, 2] (K padded to even with zeros): pairs for _mm512_dpbf16_ps.
 // x is first packed (once per call, by the threads together from a few passes up) in passes of
 // kRowsPerPass rows interleaved along K, so the inner loop broadcasts each row's element from one
-// pointer. Each thread streams through a contiguous run of panels, holding a pass of rows against one panel in registers: M rows cost one pass over the
-// weights (more rows re-read the panel from cache, not from memory). The threads share the panels as
-// the decode step's do (ProgressSplit, work_split.h).
+// pointer. Each thread streams through a contiguous run of panels, holding a pass of rows against one
+// panel in registers: M rows cost one pass over the weights (more rows re-read the panel from cache,
+// not from memory). The threads share the panels as the decode step's do (ProgressSplit, work_split.h).
 // bfloat16 from kAmxMinRows rows runs on AMX tiles where the CPU and the OS allow (linear_panels.h).
 
 #include <memory>
@@ -21,14 +21,11 @@ extern "C" {
 // y: [m, n] with row stride y_stride.
 void linear_f32(const float* x, int64_t m, int64_t x_stride, const float* blocked, const float* bias,
                 int64_t n, int64_t k, float* y, int64_t y_stride) {
-    const std::unique_ptr<float[]> x_packed(new float[m * k]);  // every element written by pack_x
+    const std::unique_ptr<float[]> x_packed(new float[m * k]);  // every element written by the packing
     auto identity = [](float v) { return v; };
     const bool together = packs_x_together(m);
-    if (!together) {
-        PhaseCounters alone(1);
-        ProgressSplit serial(alone);
-        pack_x(x_packed.get(), x, m, x_stride, k, k, 1, identity, serial);
-    }
+    for (int64_t p = 0; !together && p < passes_of(m); ++p)
+        pack_x_pass(x_packed.get(), x, m, x_stride, k, k, 1, identity, p);
     auto store = [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
         float* out = y + row * y_stride + first_out;
         for (int o = 0; o < num_outs; ++o) out[o] = acc[o] + (bias ? bias[first_out + o] : 0.0f);
@@ -61,13 +58,10 @@ void linear_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t*
         }
         return;
     }
-    const std::unique_ptr<XElement[]> x_packed(new XElement[m * k_pairs * 2]);  // every element written by pack_x
+    const std::unique_ptr<XElement[]> x_packed(new XElement[m * k_pairs * 2]);  // every element written by the packing
     const bool together = packs_x_together(m);
-    if (!together) {
-        PhaseCounters alone(1);
-        ProgressSplit serial(alone);
-        pack_x(x_packed.get(), x, m, x_stride, k, k_pairs, 2, x_element, serial);
-    }
+    for (int64_t p = 0; !together && p < passes_of(m); ++p)
+        pack_x_pass(x_packed.get(), x, m, x_stride, k, k_pairs, 2, x_element, p);
     PhaseCounters counters(2);  // the packing of x (unless done above), the panels
 #pragma omp parallel
     {

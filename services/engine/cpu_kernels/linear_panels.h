@@ -470,7 +470,7 @@ void pack_x_pass(XT* packed, const From* x, int64_t m, int64_t x_stride, int64_t
 }
 
 // pack_x_pass for every pass of x into `packed` (m * k_steps * group elements, every one written), as one
-// phase of `split`: shared by the threads of the enclosing parallel region, serial outside one.
+// phase of `split`, shared by the threads of the enclosing parallel region.
 template <typename XT, typename From, typename Convert, typename Split>
 void pack_x(XT* packed, const From* x, int64_t m, int64_t x_stride, int64_t k, int64_t k_steps, int group,
             Convert convert, Split& split) {
