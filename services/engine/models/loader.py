@@ -9,7 +9,7 @@ from safetensors import safe_open
 from services.engine.attention.base import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM
-from services.engine.models.packed_linear import can_pack
+from services.engine.models.packed_linear import blocked_weights_onto_huge_pages, can_pack
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, attention: AttentionBackend, max_positions: int,
@@ -41,6 +41,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention: AttentionB
     model.eval().requires_grad_(False)
     if can_pack(device, dtype):
         model.pack_linears()
+        blocked_weights_onto_huge_pages(model)
     return model
 
 
