@@ -12,6 +12,7 @@ from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import decode_forward
 from services.engine.cpu_kernels import linear as native_linear
 from services.engine.cuda_graphs import CudaGraphs
+from services.engine.memory_arena import staggered_zeros
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
 from services.engine.models.packed_linear import NATIVE_MAX_ROWS
@@ -49,7 +50,8 @@ class _DecodeRows:
 class ModelRunner:
     """Owns the model weights and the KV pools (one K and one V pool per layer,
     ``[num_kv_blocks, block_size, num_kv_heads, head_dim]``, zero-initialised; every block is usable;
-    with compiled graphs one more block, the scratch block, takes the K/V of padding rows).
+    with compiled graphs one more block, the scratch block, takes the K/V of padding rows; on the CPU
+    in one arena, on huge pages and staggered, see ``memory_arena``).
     It never modifies Request objects: the scheduler advances them from the returned tokens.
 
     Unless ``enforce_eager``, ``warmup`` compiles the model forward for small steps (on the CPU,
@@ -73,9 +75,7 @@ class ModelRunner:
         self.graphs = None if config.enforce_eager else self._decode_graphs()
         self.scratch_block = self.num_kv_blocks  # padding rows' K/V; only with graphs
         pool_shape = (self.num_kv_blocks + (self.graphs is not None), self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [(torch.zeros(pool_shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(pool_shape, dtype=self.dtype, device=self.device))
-                          for _ in range(mc.num_layers)]
+        self.kv_caches = self._kv_pools(pool_shape, mc.num_layers)
         self.sampler = Sampler(mc.vocab_size, self.device, config.seed)
         self.structured_output = StructuredOutputManager(config.model, mc.vocab_size, mc.eos_token_ids)
         self.is_captured = False  # whether steps run the compiled graphs (after warmup)
@@ -282,6 +282,14 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
+
+    def _kv_pools(self, pool_shape: tuple[int, ...], num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) pools, zero."""
+        if self.device.type == "cpu":
+            pools = staggered_zeros(2 * num_layers, pool_shape, self.dtype)
+            return [(pools[2 * layer], pools[2 * layer + 1]) for layer in range(num_layers)]
+        return [(torch.zeros(pool_shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(pool_shape, dtype=self.dtype, device=self.device)) for _ in range(num_layers)]
 
     def _decide_num_kv_blocks(self) -> int:
         """``num_kv_blocks`` when given; else what ``kv_cache_memory_bytes`` holds, capped at enough for

@@ -29,7 +29,7 @@ logits weight stays alive as the embedding, so its layer keeps that as its secon
 larger batches through ``F.linear`` on it instead of a third, oneDNN copy.
 
 The blocked copies all live in one mapping on huge pages where Linux gives them
-(``blocked_weights_onto_huge_pages``): one row reads them 8-17% faster than on 4 KiB pages (``huge_pages``).
+(``blocked_weights_onto_huge_pages``): one row reads them 8-17% faster than on 4 KiB pages (``memory_arena``).
 
 Without the native kernel (no C++ compiler) everything runs on oneDNN, except float32 with fewer than
 ``PACKED_MIN_ROWS`` rows, which is faster on the plain kernel and keeps the original weight for it.
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine import huge_pages
+from services.engine import memory_arena
 from services.engine.cpu_kernels import linear as native_linear
 
 NATIVE_MAX_ROWS = 64  # up to this many rows the native kernel runs (at least as fast as oneDNN), more run on oneDNN
@@ -130,10 +130,10 @@ def pack_linears(model: nn.Module) -> int:
 
 def blocked_weights_onto_huge_pages(model: nn.Module) -> int:
     """Moves every ``PackedLinear``'s blocked weight in ``model`` into one arena on huge pages (see
-    ``huge_pages``); returns the bytes moved (0 where huge pages are not available)."""
+    ``memory_arena``); returns the bytes moved (0 where huge pages are not available)."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.blocked is not None]
-    if not layers or not huge_pages.huge_pages_available():
+    if not layers or not memory_arena.huge_pages_available():
         return 0
-    for layer, copy in zip(layers, huge_pages.copies_on_huge_pages([m.blocked for m in layers]), strict=True):
+    for layer, copy in zip(layers, memory_arena.copies_in_arena([m.blocked for m in layers]), strict=True):
         layer.blocked = copy
     return sum(m.blocked.numel() * m.blocked.element_size() for m in layers)
