@@ -128,6 +128,17 @@ def test_runner_reports_model_facts(tmp_path):
         ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=4096))
 
 
+def test_kv_pools_lie_at_different_offsets_in_their_pages(tmp_path):
+    # pools of 41 MB, which glibc would each map from a page start, all at the same offset (memory_arena)
+    path = write_checkpoint(tmp_path, "llama")
+    runner = ModelRunner(EngineConfig(model=str(path), block_size=16, num_kv_blocks=20_000, enforce_eager=True))
+    pools = [pool for pair in runner.kv_caches for pool in pair]
+    assert pools[0].numel() * pools[0].element_size() > 32 << 20  # glibc maps anything larger
+    page_offsets = [pool.data_ptr() % 4096 for pool in pools]
+    assert len(set(page_offsets)) == len(pools)
+    assert not any(pool.any() for pool in pools)
+
+
 def test_bfloat16_runner_tracks_float32(tmp_path):
     path = write_checkpoint(tmp_path, "llama")
     prompts = [list(range(3, 14)), list(range(20, 26))]
