@@ -62,10 +62,6 @@ def _aligned(nbytes: int, alignment: int = ALIGNMENT) -> int:
     return (nbytes + alignment - 1) // alignment * alignment
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-
-
 class Arena:
     """One block of memory cut into tensors in turn, each ALIGNMENT-aligned: on huge pages (a private
     anonymous mapping advised for them, from a huge page boundary) where ``huge_pages_available()``,
@@ -85,7 +81,7 @@ class Arena:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, page_offset: int | None = None) -> torch.Tensor:
         """A new contiguous tensor, next in the arena; ``page_offset``: at that many bytes (a multiple of
         ALIGNMENT) past the start of a 4 KiB page. Fresh memory: zero on huge pages, else undefined."""
-        nbytes = _nbytes(shape, dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         start = _aligned(self._used)
         if page_offset is not None:  # of the address, not of the arena's own start
             offset = (page_offset - self._bytes.data_ptr()) % PAGE_BYTES
@@ -98,7 +94,7 @@ class Arena:
 
 def copies_in_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous copies of CPU ``tensors``, side by side in one arena."""
-    arena = Arena(sum(_aligned(t.numel() * t.element_size()) for t in tensors))
+    arena = Arena(sum(_aligned(t.nbytes) for t in tensors))
     copies = []
     for tensor in tensors:
         copy = arena.take(tuple(tensor.shape), tensor.dtype)
@@ -110,7 +106,7 @@ def copies_in_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def staggered_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
     """``count`` zero tensors of ``shape`` in one arena, tensor i starting ``i * POOL_STAGGER_BYTES``
     (modulo 4 KiB) into its page, their pages faulted in now rather than in a step."""
-    arena = Arena(count * (_nbytes(shape, dtype) + PAGE_BYTES))
+    arena = Arena(count * (math.prod(shape) * dtype.itemsize + PAGE_BYTES))
     tensors = [arena.take(shape, dtype, page_offset=i * POOL_STAGGER_BYTES % PAGE_BYTES) for i in range(count)]
     for tensor in tensors:
         tensor.zero_()

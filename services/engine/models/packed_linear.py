@@ -136,4 +136,4 @@ def blocked_weights_onto_huge_pages(model: nn.Module) -> int:
         return 0
     for layer, copy in zip(layers, memory_arena.copies_in_arena([m.blocked for m in layers]), strict=True):
         layer.blocked = copy
-    return sum(m.blocked.numel() * m.blocked.element_size() for m in layers)
+    return sum(m.blocked.nbytes for m in layers)
