@@ -333,7 +333,8 @@ def _merge(earlier: RequestOutput, later: RequestOutput | BaseException) -> Requ
     if isinstance(later, BaseException):
         return later
     return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
-                               logprobs=earlier.logprobs + later.logprobs)
+                               logprobs=earlier.logprobs + later.logprobs,
+                               prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

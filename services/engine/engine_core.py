@@ -69,9 +69,10 @@ class EngineCore:
                 f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
                 f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).", param="max_tokens")
         max_logprobs = min(self.config.max_logprobs, self.vocab_size)
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise InvalidRequestError(f"logprobs must be between 0 and {max_logprobs}, got {params.logprobs}.",
-                                      param="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > max_logprobs:
+                raise InvalidRequestError(f"{name} must be between 0 and {max_logprobs}, got {count}.", param=name)
         bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if bad_bias:
             raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is out of vocabulary "
@@ -190,6 +191,7 @@ class EngineCore:
             part_output = self._execute_isolating(part)
             output.sampled_token_ids.update(part_output.sampled_token_ids)
             output.logprobs.update(part_output.logprobs)
+            output.prompt_logprobs.update(part_output.prompt_logprobs)
             output.failed.update(part_output.failed)
         return output
 

@@ -57,8 +57,9 @@ class KVCacheManager:
         """The longest run of the request's leading full blocks found in the prefix cache, and the
         number of tokens they hold. Never the whole sequence: at least its last token is left to
         compute, so the step that computes it yields logits to sample from. Takes no reference;
-        pass the blocks to ``allocate_slots`` before anything else touches the pool."""
-        if not self.enable_prefix_caching:
+        pass the blocks to ``allocate_slots`` before anything else touches the pool. None for a request
+        gathering prompt logprobs: a cached position yields no logits."""
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         max_num_blocks = (request.num_tokens - 1) // self.block_size

@@ -21,6 +21,7 @@ class Completion:
     logprobs: list[SampledLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[SampledLogprobs] | None = None  # when asked for: one per prompt token after the first
 
 
 class LLM:
@@ -55,6 +56,8 @@ class LLM:
                 completion = completions[output.request_id]
                 completion.token_ids += output.new_token_ids
                 completion.logprobs += output.logprobs
+                if output.prompt_logprobs is not None:
+                    completion.prompt_logprobs = output.prompt_logprobs
                 completion.num_cached_tokens = output.num_cached_tokens
                 completion.finish_reason = output.finish_reason
         return list(completions.values())

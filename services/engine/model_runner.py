@@ -17,13 +17,24 @@ from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
 from services.engine.models.packed_linear import NATIVE_MAX_ROWS
 from services.engine.request import Request
-from services.engine.sampler import Sampler
+from services.engine.sampler import Sampler, token_logprobs
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from services.engine.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledChunk, SchedulerOutput
 from services.engine.structured_output.manager import StructuredOutputManager
 from services.engine.structured_output.masks import StepMasks
 
 log = logging.getLogger(__name__)
+
+
+# Most logits computed at once for prompt logprobs (float32 elements: 64 MB)
+_PROMPT_LOGITS_ELEMENTS = 1 << 24
+
+
+def _predicts_prompt_tokens(chunk: ScheduledChunk) -> bool:
+    """Whether ``chunk`` computes a position whose next token is a prompt token its request gathers the
+    logprob of."""
+    request = chunk.request
+    return request.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens - 1
 
 
 @dataclass
@@ -33,6 +44,8 @@ class _InputBatch:
     metadata: AttentionMetadata
     sample_rows: torch.Tensor  # [n]: the last new token of each chunk that samples
     sample_requests: list[Request]
+    chunks: list[ScheduledChunk]  # in row order
+    first_rows: list[int]  # the first row of each of them
 
 
 @dataclass
@@ -92,8 +105,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         masks = self.structured_output.start_masks(scheduler_output.chunks)  # filled while the model runs
-        requests, logits = self.compute_logits(scheduler_output)
-        output = ModelRunnerOutput()
+        requests, logits, prompt_logprobs = self.compute_logits(scheduler_output)
+        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         if not requests:
             return output
         try:
@@ -122,21 +135,50 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def compute_logits(self, scheduler_output: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+    def compute_logits(self, scheduler_output: SchedulerOutput
+                       ) -> tuple[list[Request], torch.Tensor, dict[str, tuple[int, list[SampledLogprobs]]]]:
         """The step without sampling: writes the chunks' K/V and returns the requests that sample with
-        their float32 logits ``[n, vocab]`` (row i for request i)."""
+        their float32 logits ``[n, vocab]`` (row i for request i), and the prompt logprobs it computed
+        for requests gathering them (``ModelRunnerOutput.prompt_logprobs``)."""
         if scheduler_output.is_empty:
-            return [], torch.empty(0, self.vocab_size)
+            return [], torch.empty(0, self.vocab_size), {}
         num_tokens = scheduler_output.num_batched_tokens
-        if self.decode_step is not None and scheduler_output.one_token_each and num_tokens <= NATIVE_MAX_ROWS:
+        gathering = any(_predicts_prompt_tokens(chunk) for chunk in scheduler_output.chunks)
+        if (self.decode_step is not None and scheduler_output.one_token_each and num_tokens <= NATIVE_MAX_ROWS
+                and not gathering):  # (the native step keeps no hidden states but the sampled rows')
             rows = self._prepare_rows(scheduler_output.chunks)  # one token each: a decode step, in one native call
             return rows.sample_requests, self.decode_step.logits(rows.input_ids, rows.positions, rows.slot_mapping,
-                                                                 rows.block_tables, rows.seq_lens, rows.sample_rows)
+                                                                 rows.block_tables, rows.seq_lens, rows.sample_rows), {}
         graphed = self.is_captured and (scheduler_output.one_token_each or not self.graphs.decode_only)
         bucket = self.graphs.bucket_for(num_tokens) if graphed else None
         batch = self._prepare(scheduler_output.chunks, bucket - num_tokens if bucket else 0)
         hidden = self._forward(batch, compiled=bucket is not None)  # [T, H]
-        return batch.sample_requests, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        return batch.sample_requests, logits, self._prompt_logprobs(batch, hidden) if gathering else {}
+
+    def _prompt_logprobs(self, batch: _InputBatch, hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list[SampledLogprobs]]]:
+        """For each request gathering prompt logprobs: (j, the logprobs of its prompt tokens j + 1, j + 2, ...
+        that this step's positions j, j + 1, ... predict). Logits for at most ``_PROMPT_LOGITS_ELEMENTS``
+        at a time: a 2,048-token chunk of a 152k vocabulary would take 1.2 GB at once."""
+        out = {}
+        rows_per_slice = max(1, _PROMPT_LOGITS_ELEMENTS // self.vocab_size)
+        for chunk, first_row in zip(batch.chunks, batch.first_rows, strict=True):
+            if not _predicts_prompt_tokens(chunk):
+                continue
+            request = chunk.request
+            start = request.num_computed_tokens
+            end = min(start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
+            count = request.sampling_params.prompt_logprobs
+            entries = []
+            for lo in range(start, end, rows_per_slice):
+                hi = min(lo + rows_per_slice, end)
+                rows = torch.arange(first_row + lo - start, first_row + hi - start, device=hidden.device)
+                targets = torch.tensor(request.prompt_token_ids[lo + 1:hi + 1], dtype=torch.int64, device=hidden.device)
+                entries += token_logprobs(self.model.compute_logits(hidden.index_select(0, rows)), targets,
+                                          [count] * (hi - lo))
+            out[request.request_id] = (start, entries)
+        return out
 
     def _forward(self, batch: _InputBatch, compiled: bool) -> torch.Tensor:
         metadata = self.attention.prepare(batch.metadata)
@@ -176,7 +218,7 @@ class ModelRunner:
         num_prompt = min(8, self.max_model_len - 1)
         request = Request("__warmup__", list(range(num_prompt)), SamplingParams(temperature=0.0))
         block_ids = list(range(min(self.num_kv_blocks, -(-(num_prompt + 1) // self.block_size))))
-        requests, logits = self.compute_logits(SchedulerOutput([ScheduledChunk(request, num_prompt, block_ids)]))
+        requests, logits, _ = self.compute_logits(SchedulerOutput([ScheduledChunk(request, num_prompt, block_ids)]))
         request.num_computed_tokens = num_prompt
         request.append_output(int(logits[0].argmax()))
         self.execute(SchedulerOutput([ScheduledChunk(request, 1, block_ids)]))
@@ -253,6 +295,8 @@ class ModelRunner:
             metadata=metadata,
             sample_rows=self._tensor(query_start_loc[1:][samples] - 1),
             sample_requests=[c.request for c in chunks if c.samples],
+            chunks=chunks,
+            first_rows=query_start_loc[:len(chunks)].tolist(),
         )
 
     def _prepare_rows(self, chunks: list[ScheduledChunk]) -> _DecodeRows:

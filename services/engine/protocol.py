@@ -18,7 +18,7 @@ _FINISH_REASONS = {
 
 
 _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                             "frequency_penalty", "repetition_penalty", "logprobs")
+                             "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs")
 
 
 def sampling_params_from_proto(request: engine_pb2.GenerateRequest,
@@ -60,6 +60,8 @@ def fill_response(response: engine_pb2.GenerateResponse, output: RequestOutput, 
     response.token_ids.extend(output.new_token_ids)
     if output.logprobs:
         response.logprobs.extend(_logprobs_to_proto(lp) for lp in output.logprobs)
+    if output.prompt_logprobs:
+        response.prompt_logprobs.extend(_logprobs_to_proto(lp) for lp in output.prompt_logprobs)
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[output.finish_reason]
     usage = response.usage

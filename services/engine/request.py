@@ -110,6 +110,11 @@ class Request:
         # Structured output: its llguidance matcher, advanced by the scheduler with each token it
         # accepts (a preempted request keeps its tokens, so the matcher stays where it was); None: free.
         self.grammar = None
+        # Prompt logprobs being gathered: entry j for prompt token j + 1, filled as the steps compute
+        # positions j; None when not asked for, or once delivered with the first token. While gathering,
+        # the request takes nothing from the prefix cache (a cached position has no logits).
+        self.prompt_logprobs: list | None = (
+            [None] * (len(self.prompt_token_ids) - 1) if sampling_params.prompt_logprobs is not None else None)
 
     @property
     def num_prompt_tokens(self) -> int:

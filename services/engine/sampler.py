@@ -170,27 +170,15 @@ class Sampler:
         return generator
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, params: list) -> list[SampledLogprobs | None]:
-        """The rows that asked for logprobs: their token's log-probability under the raw logits, its rank
-        and the top alternatives (on the CPU in one native call, ``cpu_kernels/sampling.py``)."""
+        """The rows that asked for logprobs: theirs under the raw logits (``token_logprobs``)."""
         asking = [row for row, p in enumerate(params) if p.logprobs is not None]
         if len(asking) < len(params):
             index = torch.tensor(asking, device=self.device)
             logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
-        max_top = max(params[row].logprobs for row in asking)
-        if sampling.can_run(logits):
-            token_logprobs, ranks, top_ids, top_values = sampling.logprobs(logits, tokens, max_top)
-        else:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-            token_logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            ranks = (raw_logprobs > token_logprobs.unsqueeze(1)).sum(dim=-1) + 1
-            top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
-        token_logprobs, ranks, tokens = token_logprobs.tolist(), ranks.tolist(), tokens.tolist()
-        top_ids, top_values = top_ids.tolist(), top_values.tolist()
         out: list[SampledLogprobs | None] = [None] * len(params)
-        for i, row in enumerate(asking):
-            k = params[row].logprobs
-            out[row] = SampledLogprobs(tokens[i], token_logprobs[i], ranks[i],
-                                       list(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
+        for row, entry in zip(asking, token_logprobs(logits, tokens, [params[row].logprobs for row in asking]),
+                              strict=True):
+            out[row] = entry
         return out
 
     def _column(self, values: list[float]) -> torch.Tensor:
@@ -219,3 +207,21 @@ def _stop_tokens_before_min(requests: list[Request]) -> dict[int, list[int]]:
             if token_ids:
                 banned[row] = list(token_ids)
     return banned
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, counts: list[int]) -> list[SampledLogprobs]:
+    """Per row of ``logits [n, vocab]``: the log-probability of ``tokens[row]`` under log_softmax(logits),
+    its rank and the ``counts[row]`` most likely alternatives (on the CPU in one native call,
+    ``cpu_kernels/sampling.py``)."""
+    max_top = max(counts, default=0)
+    if sampling.can_run(logits):
+        logprobs, ranks, top_ids, top_values = sampling.logprobs(logits, tokens, max_top)
+    else:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        ranks = (raw_logprobs > logprobs.unsqueeze(1)).sum(dim=-1) + 1
+        top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
+    logprobs, ranks, tokens = logprobs.tolist(), ranks.tolist(), tokens.tolist()
+    top_ids, top_values = top_ids.tolist(), top_values.tolist()
+    return [SampledLogprobs(tokens[i], logprobs[i], ranks[i], list(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
+            for i, k in enumerate(counts)]

@@ -24,6 +24,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # top alternatives per sampled token; None means no logprobs
+    prompt_logprobs: int | None = None  # top alternatives per prompt token after the first; None: none
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -56,6 +57,8 @@ class SamplingParams:
              f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."),
             (not bad_bias, "logit_bias", f"logit_bias values must be in [-100, 100], got {bad_bias[:1]}."),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}."),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+             f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}."),
             (self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}."),
             (self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}."),
             (self.min_tokens <= self.max_tokens, "min_tokens",

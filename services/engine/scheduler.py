@@ -186,6 +186,10 @@ class Scheduler:
                 continue  # aborted after this step was scheduled
             if request.request_id in model_runner_output.failed:
                 continue  # its sampling failed: the engine aborts it
+            gathered = model_runner_output.prompt_logprobs.get(request.request_id)
+            if gathered is not None and request.prompt_logprobs is not None:
+                first, entries = gathered
+                request.prompt_logprobs[first:first + len(entries)] = entries
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv_cache_manager.cache_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
@@ -205,7 +209,10 @@ class Scheduler:
                 times.finished = now
                 self._finish(request, status)
                 num_finished += 1
-            outputs.append(_request_output(request, [token_id], [logprobs] if logprobs else []))
+            output = _request_output(request, [token_id], [logprobs] if logprobs else [])
+            if request.prompt_logprobs is not None:  # complete with the prompt: delivered with the first token
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+            outputs.append(output)
         if num_finished:
             self.running = [request for request in self.running if not request.status.is_finished]
         return outputs

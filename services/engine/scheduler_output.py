@@ -65,6 +65,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
+    # request id -> (j, entries): the logprobs of its prompt tokens j + 1, j + 2, ... that this step computed
+    prompt_logprobs: dict[str, tuple[int, list[SampledLogprobs]]] = field(default_factory=dict)
     failed: dict[str, Exception] = field(default_factory=dict)  # requests whose own sampling failed
 
 
@@ -81,6 +83,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     times: RequestTimes  # the request's stage times as of this output
     stop_token_id: int | None = None
+    # With the first token of a request that asked for them: one per prompt token after the first
+    prompt_logprobs: list[SampledLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

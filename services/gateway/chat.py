@@ -28,8 +28,10 @@ class ChatRenderer:
     operation_name = "chat"
 
     def __init__(self, upstream: Upstream, with_logprobs: bool, parses_tool_calls: bool = False,
-                 forced_tool_calls: ForcedToolCalls | None = None) -> None:
+                 forced_tool_calls: ForcedToolCalls | None = None, num_prompt_logprobs: int | None = None) -> None:
+        """``num_prompt_logprobs``: the response carries vLLM's ``prompt_logprobs`` with this many alternatives."""
         self._upstream = upstream
+        self._num_prompt_logprobs = num_prompt_logprobs
         self._with_logprobs = with_logprobs
         self._parses_tool_calls = parses_tool_calls
         self._tool_streams: dict[int, ToolCallStream] = {}  # by choice index
@@ -88,6 +90,13 @@ class ChatRenderer:
         return {"index": result.index, "message": message, "logprobs": self._logprobs(result.logprobs),
                 "finish_reason": finish_reason, "stop_reason": result.stop_reason}
 
+    def response_fields(self, results: list[ChoiceResult]) -> dict:
+        if self._num_prompt_logprobs is None:
+            return {}
+        entries = results[0].prompt_logprobs  # every choice has the one prompt
+        texts = self._upstream.token_texts(lp.token_ids_of(entries))
+        return {"prompt_logprobs": lp.prompt_logprobs(entries, texts, self._num_prompt_logprobs)}
+
 
 def _with_tool_calls(finish_reason: str | None, num_calls: int) -> str | None:
     """A turn that ends by itself after calling tools finishes with "tool_calls", as OpenAI's do."""
@@ -136,5 +145,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prompt = await state.upstream.encode_chat(messages, body.add_generation_prompt,
                                               body.chat_template, template_kwargs)
     renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parses_calls,
-                            ForcedToolCalls(forced.function_name) if forced else None)
+                            ForcedToolCalls(forced.function_name) if forced else None, body.prompt_logprobs)
     return await serve(request, state, facts, ctx, params, [prompt], renderer)

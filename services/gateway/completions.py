@@ -1,5 +1,8 @@
 """``POST /v1/completions``: a prompt as text, texts, token ids or lists of token ids; each prompt
-gets n choices, numbered prompt_index * n + i. ``echo`` puts the prompt text before the output."""
+gets n choices, numbered prompt_index * n + i. ``echo`` puts the prompt text before the output, and
+with ``logprobs`` its tokens' logprobs before the output's (the first token's null, as OpenAI's legacy
+API gives them: what lm-evaluation-harness reads for log-likelihoods); vLLM's ``prompt_logprobs`` adds
+each choice's ``prompt_logprobs`` in vLLM's shape."""
 
 import asyncio
 
@@ -23,11 +26,18 @@ class CompletionRenderer:
     operation_name = "text_completion"
 
     def __init__(self, upstream: Upstream, with_logprobs: bool, echo_texts: list[str] | None,
-                 n: int) -> None:
+                 n: int, *, prompts: list[list[int]] | None = None, num_echo_top: int | None = None,
+                 num_prompt_logprobs: int | None = None) -> None:
+        """``prompts``: the prompts' ids (for the two below); ``num_echo_top``: the echoed prompt's tokens
+        lead each choice's ``logprobs``, with this many alternatives (echo with logprobs);
+        ``num_prompt_logprobs``: each choice carries vLLM's ``prompt_logprobs`` with this many."""
         self._upstream = upstream
         self._with_logprobs = with_logprobs
         self._echo_texts = echo_texts
         self._n = n
+        self._prompts = prompts
+        self._num_echo_top = num_echo_top
+        self._num_prompt_logprobs = num_prompt_logprobs
         self._streamed_logprobs: dict[int, lp.CompletionLogprobs] = {}
 
     def _echo(self, index: int) -> str:
@@ -36,6 +46,15 @@ class CompletionRenderer:
     def _format(self, builder: lp.CompletionLogprobs, entries: list) -> dict:
         texts = self._upstream.token_texts(lp.token_ids_of(entries))
         return builder.format(entries, texts)
+
+    def _with_prompt(self, index: int, prompt_entries: list, logprobs: dict | None) -> dict | None:
+        """``logprobs`` led by the echoed prompt's tokens, when echo asked for logprobs."""
+        if self._num_echo_top is None:
+            return logprobs
+        first_id = self._prompts[index // self._n][0]
+        texts = self._upstream.token_texts(lp.token_ids_of(prompt_entries) | {first_id})
+        prompt = lp.CompletionLogprobs(0).format(prompt_entries, texts, first_id, self._num_echo_top)
+        return {key: prompt[key] + (logprobs[key] if logprobs else []) for key in prompt}
 
     def preamble(self, indices: list[int]) -> list[dict]:
         if not self._echo_texts:
@@ -52,6 +71,8 @@ class CompletionRenderer:
             builder = self._streamed_logprobs.setdefault(
                 step.index, lp.CompletionLogprobs(len(self._echo(step.index))))
             logprobs = self._format(builder, step.logprobs)
+            if step.completion_tokens == len(step.token_ids):  # the choice's first step
+                logprobs = self._with_prompt(step.index, step.prompt_logprobs, logprobs)
         choice = {"index": step.index, "text": step.text, "logprobs": logprobs,
                   "finish_reason": step.finish_reason}
         if step.finish_reason is not None:
@@ -62,9 +83,17 @@ class CompletionRenderer:
         echo = self._echo(result.index)
         logprobs = None
         if self._with_logprobs:
-            logprobs = self._format(lp.CompletionLogprobs(len(echo)), result.logprobs)
-        return {"index": result.index, "text": echo + result.text, "logprobs": logprobs,
-                "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+            logprobs = self._with_prompt(result.index, result.prompt_logprobs,
+                                         self._format(lp.CompletionLogprobs(len(echo)), result.logprobs))
+        choice = {"index": result.index, "text": echo + result.text, "logprobs": logprobs,
+                  "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+        if self._num_prompt_logprobs is not None:
+            texts = self._upstream.token_texts(lp.token_ids_of(result.prompt_logprobs))
+            choice["prompt_logprobs"] = lp.prompt_logprobs(result.prompt_logprobs, texts, self._num_prompt_logprobs)
+        return choice
+
+    def response_fields(self, results: list[ChoiceResult]) -> dict:
+        return {}  # prompt_logprobs are per choice here (each choice may have a prompt of its own)
 
 
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -88,5 +117,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 return prompt
             return await state.upstream.decode(prompt, params.skip_special_tokens)
         echo_texts = list(await asyncio.gather(*(prompt_text(p) for p in raw_prompts)))
-    renderer = CompletionRenderer(state.upstream, params.num_logprobs is not None, echo_texts, params.n)
+    renderer = CompletionRenderer(state.upstream, params.num_logprobs is not None, echo_texts, params.n,
+                                  prompts=prompts, num_echo_top=params.num_logprobs if params.echo else None,
+                                  num_prompt_logprobs=body.prompt_logprobs)  # vLLM's field, when asked for
     return await serve(request, state, facts, ctx, params, prompts, renderer)

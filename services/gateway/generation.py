@@ -47,6 +47,7 @@ class Step:
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[engine_pb2.SampledLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[engine_pb2.SampledLogprobs] = field(default_factory=list)  # with the first token
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
@@ -104,6 +105,7 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
                 text += detokenizer.flush()
             match = matcher.feed(text, can_stop=num_tokens >= params.min_tokens)
             step = Step(spec.index, match.text, list(output.token_ids), list(output.logprobs),
+                        prompt_logprobs=list(output.prompt_logprobs),
                         prompt_tokens=output.usage.prompt_tokens or len(spec.prompt_ids),
                         completion_tokens=output.usage.completion_tokens or num_tokens,
                         cached_tokens=output.usage.cached_prompt_tokens)

@@ -105,6 +105,7 @@ class SamplingFields(_Body):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs in the response, as vLLM shapes them
 
 
 class ChatCompletionRequest(SamplingFields):

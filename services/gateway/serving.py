@@ -68,6 +68,7 @@ class ChoiceResult:
     index: int
     text: str = ""
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -85,6 +86,9 @@ class Renderer(Protocol):
 
     def full_choice(self, result: ChoiceResult) -> dict:
         """One choice of the non-streamed response."""
+
+    def response_fields(self, results: list[ChoiceResult]) -> dict:
+        """Fields of the non-streamed response beyond the standard ones (chat: vLLM's ``prompt_logprobs``)."""
 
 
 class Usage:
@@ -251,11 +255,12 @@ async def _collect(ctx: RequestContext, renderer: Renderer, fanout: FanOut, usag
         result = results[step.index]
         result.text += step.text
         result.logprobs.extend(step.logprobs)
+        result.prompt_logprobs.extend(step.prompt_logprobs)
         if step.finish_reason is not None:
             result.finish_reason, result.stop_reason = step.finish_reason, step.stop_reason
     choices = [renderer.full_choice(result) for result in results]
     return {"id": ctx.response_id, "object": renderer.response_object, "created": ctx.created,
-            "model": ctx.model, "choices": choices, "usage": usage.as_dict()}
+            "model": ctx.model, "choices": choices, "usage": usage.as_dict(), **renderer.response_fields(results)}
 
 
 class _ChoiceStream(StreamingResponse):

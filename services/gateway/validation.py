@@ -66,6 +66,7 @@ class GenerationParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     num_logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    num_prompt_logprobs: int | None = None  # per prompt token (echo with logprobs, prompt_logprobs); None: none
     echo: bool = False
     cache_salt: str = ""
     sampling: dict = field(default_factory=dict)  # engine SamplingParams fields that were set
@@ -93,6 +94,8 @@ class GenerationParams:
             proto.seed = (self.seed + choice_index) % _UINT64
         if self.num_logprobs is not None:
             proto.logprobs = self.num_logprobs
+        if self.num_prompt_logprobs is not None:
+            proto.prompt_logprobs = self.num_prompt_logprobs
         return proto
 
     def stop_proto(self, max_tokens: int) -> engine_pb2.StopCriteria:
@@ -136,6 +139,11 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
     _check(req.stream or req.stream_options is None,
            "Stream options can only be defined when `stream=True`.", "stream_options")
     params.stream = req.stream
+    if req.prompt_logprobs is not None:
+        _check(0 <= req.prompt_logprobs < _UINT32,
+               f"prompt_logprobs must be non-negative, got {req.prompt_logprobs}.", "prompt_logprobs")
+        _check(not req.stream, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        params.num_prompt_logprobs = req.prompt_logprobs
     if req.stream_options is not None:
         params.include_usage = bool(req.stream_options.include_usage)
         params.continuous_usage_stats = bool(req.stream_options.continuous_usage_stats)
@@ -232,9 +240,9 @@ def validate_completion(req: CompletionRequest, facts: ModelFacts, limits: Limit
     _max_tokens(params, req.max_tokens, "max_tokens")
     if req.logprobs is not None:
         _check(0 <= req.logprobs < _UINT32, f"logprobs must be non-negative, got {req.logprobs}.", "logprobs")
-        _check(not req.echo, "echo together with logprobs is not supported (no prompt logprobs).",
-               "echo")
         params.num_logprobs = req.logprobs
+        if req.echo:  # the echoed prompt's tokens come with their logprobs too
+            params.num_prompt_logprobs = max(req.logprobs, params.num_prompt_logprobs or 0)
     params.echo = req.echo
     prompts = completion_prompts(req)
     _check(0 < len(prompts) <= limits.max_prompts,

@@ -128,6 +128,46 @@ def test_echo_puts_the_prompt_first(client):
     assert streamed == full.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, http):
+    """lm-evaluation-harness's log-likelihood request (echo, logprobs=1, max_tokens=1): the prompt's tokens
+    with their logprobs, the first one's null, then the output's; the same numbers as vLLM's
+    ``prompt_logprobs`` field (chat's at the top of its response); streamed, the same again."""
+    prompt = "The sea is deep and wide"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    choice, num_prompt = full.choices[0], full.usage.prompt_tokens
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == num_prompt + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[:num_prompt]) == prompt and choice.text == prompt + lp.tokens[-1]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(num_prompt + 1)]
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert logprob < 0 and top[token] == logprob and 1 <= len(top) <= 2
+    assert max(lp.top_logprobs[-1].values()) == lp.token_logprobs[-1]  # greedy: the output token is the top one
+
+    body = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                              "prompt_logprobs": 2}).json()
+    prompt_logprobs = body["choices"][0]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == num_prompt
+    for token, logprob, alternatives in zip(lp.tokens[1:], lp.token_logprobs[1:], prompt_logprobs[1:]):
+        chosen = [a for a in alternatives.values() if a["decoded_token"] == token]
+        assert chosen and chosen[0]["logprob"] == pytest.approx(logprob, abs=1e-5)
+        assert {a["rank"] for a in alternatives.values()} >= {1, 2}
+
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                  "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(alternatives) == 1 for alternatives in chat["prompt_logprobs"][1:])  # the prompt token alone
+
+    streamed = {"tokens": [], "token_logprobs": []}
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                           temperature=0, stream=True):
+        for part in chunk.choices:
+            if part.logprobs:
+                streamed["tokens"] += part.logprobs.tokens
+                streamed["token_logprobs"] += part.logprobs.token_logprobs
+    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
+
+
 def test_sampling_parameters_are_accepted(client):
     full = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_completion_tokens=4, temperature=0.7, top_p=0.9, seed=3,

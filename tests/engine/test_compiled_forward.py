@@ -80,7 +80,7 @@ def prefilled_requests(runners: tuple[ModelRunner, ModelRunner], prompt_lens: li
 
 def assert_same_step(runners: tuple[ModelRunner, ModelRunner], step: SchedulerOutput, dtype: torch.dtype) -> None:
     """The compiled runner's logits and request KV blocks equal the eager runner's."""
-    (sampled, logits), (sampled_eager, logits_eager) = (runner.compute_logits(step) for runner in runners)
+    (sampled, logits, _), (sampled_eager, logits_eager, _) = (runner.compute_logits(step) for runner in runners)
     assert sampled == sampled_eager
     torch.testing.assert_close(logits, logits_eager, **TOLERANCE[dtype])
     compiled, eager = runners

@@ -66,7 +66,7 @@ def test_native_step_matches_the_torch_forward(checkpoint, dtype, min_chunk_toke
     requests, tables = prefill([native, torch_forward], prompt_lens)
     for _ in range(3):
         step = SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests, tables)])
-        (_, logits), (_, expected) = native.compute_logits(step), torch_forward.compute_logits(step)
+        (_, logits, _), (_, expected, _) = native.compute_logits(step), torch_forward.compute_logits(step)
         torch.testing.assert_close(logits, expected, **TOLERANCE[native.dtype])
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
         for request in requests:

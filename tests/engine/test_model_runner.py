@@ -77,7 +77,7 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, to
                 chunks.append(ScheduledChunk(request, num_new, block_tables[request.request_id]))
                 budget -= num_new
         step = SchedulerOutput(chunks)
-        sampled, logits = runner.compute_logits(step)
+        sampled, logits, _ = runner.compute_logits(step)
         output = runner.execute(step)  # recomputes the same K/V into the same slots
         assert set(output.sampled_token_ids) == {r.request_id for r in sampled}
         for request, row in zip(sampled, logits, strict=True):

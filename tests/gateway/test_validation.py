@@ -72,7 +72,8 @@ def test_model_may_be_omitted():
 
 @pytest.mark.parametrize("fields, param", [
     ({"logprobs": -1}, "logprobs"),
-    ({"logprobs": 1, "echo": True}, "echo"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM refuses it too
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": []}, "prompt"),
@@ -82,6 +83,13 @@ def test_model_may_be_omitted():
 def test_completion_rule_gives_400_naming_the_param(fields, param):
     error = refused(completion, **fields)
     assert (error.status, error.param) == (400, param)
+
+
+def test_echo_with_logprobs_asks_for_the_prompt_logprobs_too():
+    assert completion(logprobs=2, echo=True).sampling_proto(0).prompt_logprobs == 2
+    assert not completion(logprobs=2).sampling_proto(0).HasField("prompt_logprobs")
+    assert not completion(echo=True).sampling_proto(0).HasField("prompt_logprobs")
+    assert completion(prompt_logprobs=5, logprobs=1, echo=True).sampling_proto(0).prompt_logprobs == 5  # the larger
 
 
 def test_sampling_fields_reach_the_engine_proto():
