@@ -13,7 +13,7 @@ from services.gateway.forced_tool_calls import ForcedToolCalls
 from services.gateway.generation import Step
 from services.gateway.protocol import ERROR_RESPONSES, ChatCompletionRequest, ChatMessage, ContentPart
 from services.gateway.request_body import JsonBodyRoute
-from services.gateway.serving import ChoiceResult, RequestContext, gateway_state, serve
+from services.gateway.serving import ChoiceRenderer, ChoiceResult, RequestContext, gateway_state, serve
 from services.gateway.structured_output import only_one
 from services.gateway.tools import ToolCallStream, parse_tool_calls, validate_tools
 from services.gateway.upstream import Upstream
@@ -22,7 +22,7 @@ from services.gateway.validation import validate_chat
 router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
 
 
-class ChatRenderer:
+class ChatRenderer(ChoiceRenderer):
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
     operation_name = "chat"

@@ -13,14 +13,14 @@ from services.gateway import logprobs as lp
 from services.gateway.generation import Step
 from services.gateway.protocol import ERROR_RESPONSES, CompletionRequest
 from services.gateway.request_body import JsonBodyRoute
-from services.gateway.serving import ChoiceResult, RequestContext, gateway_state, serve
+from services.gateway.serving import ChoiceRenderer, ChoiceResult, RequestContext, gateway_state, serve
 from services.gateway.upstream import Upstream
 from services.gateway.validation import completion_prompts, validate_completion
 
 router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
 
 
-class CompletionRenderer:
+class CompletionRenderer(ChoiceRenderer):
     chunk_object = "text_completion"
     response_object = "text_completion"
     operation_name = "text_completion"
@@ -91,9 +91,6 @@ class CompletionRenderer:
             texts = self._upstream.token_texts(lp.token_ids_of(result.prompt_logprobs))
             choice["prompt_logprobs"] = lp.prompt_logprobs(result.prompt_logprobs, texts, self._num_prompt_logprobs)
         return choice
-
-    def response_fields(self, results: list[ChoiceResult]) -> dict:
-        return {}  # prompt_logprobs are per choice here (each choice may have a prompt of its own)
 
 
 @router.post("/v1/completions", responses=ERROR_RESPONSES)

@@ -1,7 +1,8 @@
-"""The request driver shared by chat and completions: plan the choices, run them, and answer as
-one JSON response or as an SSE stream, with usage, metrics and client-disconnect handling.
+"""The request driver shared by chat, completions and responses: plan the choices, run them, and
+answer as one JSON response or as an SSE stream, with usage, metrics and client-disconnect handling.
 
-What differs between the two endpoints (chunk and response shapes, logprobs) is a ``Renderer``.
+What differs between the endpoints (the response's shape, the stream's events, logprobs) is a
+``Renderer``; chat and completions share ``ChoiceRenderer`` (``choices``, chunks of one choice each).
 
 When a stream's headers go out: once the first step arrives, or ``stream_headers_timeout_s``
 (0.5 s) after the Generate calls were made, whichever is first. Until then an error is still a
@@ -74,21 +75,70 @@ class ChoiceResult:
 
 
 class Renderer(Protocol):
+    """How one endpoint answers."""
+    operation_name: str  # the GenAI operation: chat, text_completion
+
+    def response(self, ctx: "RequestContext", results: list[ChoiceResult], usage: "Usage") -> dict:
+        """The non-streamed response."""
+
+    def events(self, ctx: "RequestContext", params: GenerationParams, steps: AsyncIterator[Step], usage: "Usage",
+               num_choices: int) -> AsyncIterator[bytes]:
+        """The stream's events, from before the first step to the end (``usage`` is updated by each step)."""
+
+    def error_events(self, error: OpenAIError) -> list[bytes]:
+        """The events that end a stream which failed after it began."""
+
+
+class ChoiceRenderer:
+    """Chat's and completions' shapes: a response of ``choices``, or a stream of chunks of one choice
+    each, then the usage chunk (``include_usage``) and ``[DONE]``. Subclasses give the choice entries."""
     chunk_object: str
     response_object: str
-    operation_name: str  # the GenAI operation: chat, text_completion
 
     def preamble(self, indices: list[int]) -> list[dict]:
         """Choice entries streamed before any token (chat: the role; completions: echo)."""
+        return []
 
     def stream_choice(self, step: Step) -> dict | None:
         """The choice entry of one step's chunk, or None when there is nothing to send."""
+        raise NotImplementedError
 
     def full_choice(self, result: ChoiceResult) -> dict:
         """One choice of the non-streamed response."""
+        raise NotImplementedError
 
     def response_fields(self, results: list[ChoiceResult]) -> dict:
         """Fields of the non-streamed response beyond the standard ones (chat: vLLM's ``prompt_logprobs``)."""
+        return {}
+
+    def response(self, ctx: "RequestContext", results: list[ChoiceResult], usage: "Usage") -> dict:
+        return {"id": ctx.response_id, "object": self.response_object, "created": ctx.created, "model": ctx.model,
+                "choices": [self.full_choice(result) for result in results], "usage": usage.as_dict(),
+                **self.response_fields(results)}
+
+    async def events(self, ctx: "RequestContext", params: GenerationParams, steps: AsyncIterator[Step],
+                     usage: "Usage", num_choices: int) -> AsyncIterator[bytes]:
+        continuous = params.include_usage and params.continuous_usage_stats
+
+        def chunk(choices: list[dict], with_usage: bool = continuous) -> bytes:
+            payload = {"id": ctx.response_id, "object": self.chunk_object, "created": ctx.created,
+                       "model": ctx.model, "choices": choices}
+            if params.include_usage:
+                payload["usage"] = usage.as_dict() if with_usage else None
+            return sse.event(payload)
+
+        for choice in self.preamble(list(range(num_choices))):
+            yield chunk([choice])
+        async for step in steps:
+            choice = self.stream_choice(step)
+            if choice is not None:
+                yield chunk([choice])
+        if params.include_usage:
+            yield chunk([], with_usage=True)
+        yield sse.DONE
+
+    def error_events(self, error: OpenAIError) -> list[bytes]:
+        return sse.error_events(error)
 
 
 class Usage:
@@ -179,8 +229,8 @@ class _Recorder:
             self._metrics.request_success.labels(self._ctx.model, step.finish_reason).inc()
 
     def chunk_sent(self) -> None:
-        """A chunk with a choice's output went out (a stream)."""
-        if not self._first_chunk_sent:
+        """An event went out (a stream): the first one after the first token is the first chunk sent."""
+        if not self._first_chunk_sent and self._first_token_at is not None:
             self._first_chunk_sent = True
             self.span.add_event(genai_span.STAGE_FIRST_CHUNK_SENT)
 
@@ -258,9 +308,7 @@ async def _collect(ctx: RequestContext, renderer: Renderer, fanout: FanOut, usag
         result.prompt_logprobs.extend(step.prompt_logprobs)
         if step.finish_reason is not None:
             result.finish_reason, result.stop_reason = step.finish_reason, step.stop_reason
-    choices = [renderer.full_choice(result) for result in results]
-    return {"id": ctx.response_id, "object": renderer.response_object, "created": ctx.created,
-            "model": ctx.model, "choices": choices, "usage": usage.as_dict(), **renderer.response_fields(results)}
+    return renderer.response(ctx, results, usage)
 
 
 class _ChoiceStream(StreamingResponse):
@@ -283,39 +331,27 @@ async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Rende
                   num_choices: int, drain: Drain) -> AsyncIterator[bytes]:
     """The SSE body; ``first`` is the first step (already there or still coming). At the drain's
     deadline (SIGTERM + --shutdown-timeout) a stream still running ends with an error event."""
-    continuous = params.include_usage and params.continuous_usage_stats
-
-    def chunk(choices: list[dict], with_usage: bool = continuous) -> bytes:
-        payload = {"id": ctx.response_id, "object": renderer.chunk_object, "created": ctx.created,
-                   "model": ctx.model, "choices": choices}
-        if params.include_usage:
-            payload["usage"] = usage.as_dict() if with_usage else None
-        return sse.event(payload)
-
-    try:
-        for choice in renderer.preamble(list(range(num_choices))):
-            yield chunk([choice])
+    async def steps() -> AsyncIterator[Step]:
         step: Step | None = await drain.race(first)
         while step is not None:
             usage.update(step)
             recorder.step(step)
-            choice = renderer.stream_choice(step)
-            if choice is not None:
-                yield chunk([choice])
-                recorder.chunk_sent()  # resumed: the chunk is out
+            yield step
             step = await drain.race(anext(fanout, None))
-        if params.include_usage:
-            yield chunk([], with_usage=True)
-        yield sse.DONE
+
+    try:
+        async for event in renderer.events(ctx, params, steps(), usage, num_choices):
+            yield event
+            recorder.chunk_sent()  # resumed: the event is out
     except OpenAIError as error:
         recorder.error(error)
-        for event in sse.error_events(error):
+        for event in renderer.error_events(error):
             yield event
-    except Exception as exc:  # a bug: the client still gets an error event and [DONE]
+    except Exception as exc:  # a bug: the client still gets an error event (and [DONE] where the endpoint ends so)
         log.error("%s: the stream failed: %s: %s", ctx.response_id, type(exc).__name__, exc, exc_info=exc)
         error = OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
         recorder.error(error)
-        for event in sse.error_events(error):
+        for event in renderer.error_events(error):
             yield event
     finally:
         fanout.cancel()
