@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.gateway import errors
 from services.gateway.middleware import send_error
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 class AdmissionMiddleware:

@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 
 from services.common import service_identity
 from services.common.tls import TlsFiles
-from services.gateway import chat, completions, errors, tokenize
+from services.gateway import chat, completions, errors, responses, tokenize
 from services.gateway.admission import AdmissionMiddleware
 from services.gateway.drain import Drain
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -101,6 +101,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     errors.install_handlers(app)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(responses.router)
     app.include_router(tokenize.router)
 
     @app.get("/v1/models")

@@ -122,6 +122,60 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class ResponseInputContent(_Body):
+    """A part of a Responses input message: ``input_text`` (or ``output_text``, an earlier answer) is
+    served; any other part (images, files) is refused by validation."""
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ResponseInputItem(_Body):
+    """One item of a Responses ``input`` list: a message (``type`` "message" or absent). Other item
+    types (function calls and their outputs, reasoning) are refused by validation."""
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr = "message"
+    role: StrictStr | None = None
+    content: StrictStr | list[ResponseInputContent] | None = None
+
+
+class ResponseTextFormat(_Body):
+    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its ``name``, ``schema``, ``strict``."""
+    type: StrictStr = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseText(_Body):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's ``POST /v1/responses`` (text in, text out; nothing is stored server-side)."""
+    model: str | None = None
+    input: StrictStr | list[ResponseInputItem]
+    instructions: StrictStr | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+    text: ResponseText | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
 class TokenizeRequest(_Body):
     """vLLM's ``POST /tokenize``: a text ``prompt``, or chat ``messages`` rendered by the chat template as
     /v1/chat/completions renders them (``tools`` and ``chat_template_kwargs`` reach the template the same

@@ -64,6 +64,10 @@ def assert_openai_answer(case, response: requests.Response) -> None:
             assert response.headers.get("WWW-Authenticate") == "Bearer"
         if response.status_code == 503:
             assert response.headers.get("Retry-After")
+    elif response.headers.get("content-type", "").startswith("text/event-stream") and case.path == "/v1/responses":
+        last = response.text.rstrip().rsplit("\n\n", 1)[-1]  # OpenAI's Responses events: no [DONE]
+        assert last.startswith(("event: response.completed", "event: response.incomplete")), f"{where}: {last[:300]}"
+        assert "event: error" not in response.text, f"{where}: {response.text[-300:]}"
     elif response.headers.get("content-type", "").startswith("text/event-stream"):
         assert response.text.rstrip().endswith("data: [DONE]"), f"{where}: {response.text[-300:]}"
         assert 'data: {"error"' not in response.text, f"{where}: {response.text[-300:]}"
@@ -79,13 +83,15 @@ def plausible(case):
     body["model"] = MODEL
     for name in ("n", "best_of", "response_format"):
         body.pop(name, None)
-    for name in ("max_tokens", "max_completion_tokens"):
-        if name == "max_tokens" or name in body:
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        if name == "max_tokens" or name in body or (name == "max_output_tokens" and "input" in body):
             value = body.get(name)
             body[name] = 1 + abs(value) % 16 if isinstance(value, int) else 16
     if isinstance(body.get("messages"), list):
         body["messages"] = [{"role": "user", "content": m["content"] if isinstance(m.get("content"), str) and m["content"]
                              else "hi"} for m in body["messages"][:3]] or [{"role": "user", "content": "hi"}]
+    if "input" in body and not (isinstance(body["input"], str) and body["input"]):
+        body["input"] = "hi"
     if "prompt" in body and not (isinstance(body["prompt"], str) and body["prompt"]) \
             and not isinstance(body.get("messages"), list):  # /tokenize takes one or the other
         body["prompt"] = "hi"

@@ -4,6 +4,7 @@ non-streamed answers agree, n choices, usage, logprobs, echo, headers, health an
 from collections import defaultdict
 
 import httpx
+import openai
 import pytest
 
 from tests.e2e.conftest import MODEL, engine_load
@@ -166,6 +167,26 @@ def test_echo_with_logprobs_scores_the_prompt(client, http):
                 streamed["tokens"] += part.logprobs.tokens
                 streamed["token_logprobs"] += part.logprobs.token_logprobs
     assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
+
+
+def test_responses_api_through_the_openai_client(client):
+    """``client.responses.create``: the answer's text, status and usage; streamed, OpenAI's events whose
+    deltas add up to the same greedy text; a conversation with instructions; a refusal naming its field."""
+    full = client.responses.create(model=MODEL, input="Tell me about the sea.", max_output_tokens=8, temperature=0)
+    assert full.status == "incomplete" and full.incomplete_details.reason == "max_output_tokens"
+    assert full.output_text and full.usage.output_tokens == 8 and full.usage.input_tokens > 5
+    events = list(client.responses.create(model=MODEL, input="Tell me about the sea.", max_output_tokens=8,
+                                          temperature=0, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == full.output_text
+    assert events[-1].response.output_text == full.output_text
+    turn = client.responses.create(model=MODEL, instructions="Answer briefly.", max_output_tokens=4, input=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": [{"type": "input_text", "text": "And the sea?"}]}])
+    assert turn.usage.input_tokens > full.usage.input_tokens and turn.output[0].role == "assistant"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_0")
+    assert refused.value.body["param"] == "previous_response_id"
 
 
 def test_sampling_parameters_are_accepted(client):
