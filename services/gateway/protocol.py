@@ -131,12 +131,17 @@ class ResponseInputContent(_Body):
 
 
 class ResponseInputItem(_Body):
-    """One item of a Responses ``input`` list: a message (``type`` "message" or absent). Other item
-    types (function calls and their outputs, reasoning) are refused by validation."""
+    """One item of a Responses ``input`` list: a message (``type`` "message" or absent), an earlier
+    ``function_call`` of the model, or a ``function_call_output`` answering one. Other item types
+    (reasoning, built-in tools' calls) are refused by validation."""
     model_config = ConfigDict(extra="allow")
     type: StrictStr = "message"
     role: StrictStr | None = None
     content: StrictStr | list[ResponseInputContent] | None = None
+    call_id: StrictStr | None = None  # function_call, function_call_output
+    name: StrictStr | None = None  # function_call
+    arguments: StrictStr | None = None  # function_call: the arguments' JSON text
+    output: StrictStr | list[ResponseInputContent] | None = None  # function_call_output
 
 
 class ResponseTextFormat(_Body):

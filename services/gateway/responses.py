@@ -1,17 +1,22 @@
-"""``POST /v1/responses``: OpenAI's Responses API, text in and text out, on the chat path.
+"""``POST /v1/responses``: OpenAI's Responses API on the chat path.
 
 The request becomes the chat request it means (``instructions`` a system message first, ``input`` a user
-message or the conversation's messages, ``developer`` read as ``system``, ``max_output_tokens`` the
-completion cap, ``text.format`` the response format), which ``validate_chat`` checks as it checks chat's,
-and the chat template renders. The answer is one ``message`` output item holding one ``output_text``
-part; ``status`` is ``incomplete`` (``max_output_tokens``) when the cap cut it. Streamed, the events are
-OpenAI's: ``response.created``, ``response.in_progress``, ``response.output_item.added``,
-``response.content_part.added``, ``response.output_text.delta`` per piece of text, then the ``done`` events
-in reverse and ``response.completed`` (or ``response.incomplete``), each with its ``sequence_number``, and
-no ``[DONE]``; a failure after the stream began is an ``error`` event and ``response.failed``.
+message or the conversation's items: messages, ``developer`` read as ``system``; the model's earlier
+``function_call`` items as an assistant turn's tool calls, each ``function_call_output`` as a tool message;
+function ``tools`` and ``tool_choice`` in chat's shape; ``max_output_tokens`` the completion cap;
+``text.format`` the response format), which ``validate_chat`` and ``validate_tools`` check as they check
+chat's, and the chat template renders. The answer is chat's answer, read by a ``ChatRenderer`` (tool
+calls parsed or forced as chat's are), as output items: a ``message`` of one ``output_text`` part for the
+text, a ``function_call`` per call; ``status`` is ``incomplete`` (``max_output_tokens``) when the cap cut
+it. Streamed, the events are OpenAI's: ``response.created``, ``response.in_progress``, then per item as
+it appears ``response.output_item.added`` (a message's ``response.content_part.added`` and
+``response.output_text.delta``s; a call's ``response.function_call_arguments.delta``s), at the end the
+``done`` events of each item and ``response.completed`` (or ``response.incomplete``), each event with its
+``sequence_number``, and no ``[DONE]``; a failure after the stream began is an ``error`` event and
+``response.failed``.
 
 Nothing is stored (``store`` is accepted and answered false): ``previous_response_id`` is refused, so a
-client sends the whole conversation each time. Tools are refused here (chat completions serves them).
+client sends the whole conversation each time.
 """
 
 import uuid
@@ -20,12 +25,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.gateway import errors, sse
-from services.gateway.chat import messages_proto
+from services.gateway.chat import ChatRenderer, messages_proto
 from services.gateway.errors import OpenAIError
-from services.gateway.generation import Step
+from services.gateway.forced_tool_calls import ForcedToolCalls
 from services.gateway.protocol import ERROR_RESPONSES, ChatCompletionRequest, ResponsesRequest
 from services.gateway.request_body import JsonBodyRoute
 from services.gateway.serving import ChoiceResult, RequestContext, Usage, gateway_state, serve
+from services.gateway.structured_output import only_one
+from services.gateway.tools import validate_tools
 from services.gateway.validation import GenerationParams, validate_chat
 
 router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
@@ -34,6 +41,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 # chat's names for the fields a refusal may name -> this endpoint's
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
            "response_format": "text.format"}
+_TOOL_FIELDS = ("name", "description", "parameters", "strict")
 
 
 def _refuse(ok: bool, message: str, param: str) -> None:
@@ -45,22 +53,11 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request ``body`` means (see the module's docstring)."""
     _refuse(body.previous_response_id is None, "previous_response_id is not supported: this server stores no "
             "responses; send the whole conversation as input.", "previous_response_id")
-    _refuse(not body.tools, "tools are not supported on /v1/responses; use /v1/chat/completions.", "tools")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-    else:
-        for i, item in enumerate(body.input):
-            _refuse(item.type == "message" and item.role is not None,
-                    f"input items of type {item.type!r} are not supported; send messages (role and content).",
-                    f"input[{i}]")
-            content = item.content
-            if isinstance(content, list):
-                for part in content:
-                    _refuse(part.type in _TEXT_PARTS and part.text is not None,
-                            f"Only text content parts are supported, got {part.type!r}.", f"input[{i}].content")
-                content = [{"type": "text", "text": part.text} for part in content]
-            messages.append({"role": "system" if item.role == "developer" else item.role, "content": content})
+    for i, item in enumerate([{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input):
+        message = item if isinstance(item, dict) else _chat_message(item, i, messages)
+        if message is not None:
+            messages.append(message)
     text_format = body.text.format if body.text is not None else None
     response_format = None
     if text_format is not None and text_format.type != "text":
@@ -68,46 +65,136 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         if text_format.type == "json_schema":
             response_format["json_schema"] = {"name": text_format.name, "description": text_format.description,
                                               "schema": text_format.schema_, "strict": text_format.strict}
+    tools = [_chat_tool(tool, i) for i, tool in enumerate(body.tools)] if body.tools else None
+    tool_choice = body.tool_choice
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and "name" in tool_choice:
+        tool_choice = {"type": "function", "function": {"name": tool_choice["name"]}}
     return ChatCompletionRequest.model_validate({
         "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "user": body.user,
         "response_format": response_format, "top_k": body.top_k, "min_p": body.min_p,
-        "repetition_penalty": body.repetition_penalty, "seed": body.seed})
+        "repetition_penalty": body.repetition_penalty, "seed": body.seed, "tools": tools,
+        "tool_choice": tool_choice, "parallel_tool_calls": body.parallel_tool_calls})
+
+
+def _chat_message(item, i: int, messages: list[dict]) -> dict | None:
+    """Input item ``i`` as a chat message; None where it joins the message before it (a function call
+    after another: one assistant turn with both calls)."""
+    if item.type == "function_call":
+        _refuse(item.call_id is not None and item.name is not None and item.arguments is not None,
+                "A function_call input item needs call_id, name and arguments.", f"input[{i}]")
+        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+            messages[-1]["tool_calls"].append(call)
+            return None
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if item.type == "function_call_output":
+        _refuse(item.call_id is not None and item.output is not None,
+                "A function_call_output input item needs call_id and output.", f"input[{i}]")
+        return {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input[{i}].output")}
+    _refuse(item.type == "message" and item.role is not None,
+            f"input items of type {item.type!r} are not supported; send messages, function calls and their outputs.",
+            f"input[{i}]")
+    return {"role": "system" if item.role == "developer" else item.role,
+            "content": _text(item.content, f"input[{i}].content") if isinstance(item.content, list) else item.content}
+
+
+def _text(content, param: str) -> str | list[dict]:
+    """Text content parts as chat's text parts (a string stays a string)."""
+    if isinstance(content, str):
+        return content
+    for part in content:
+        _refuse(part.type in _TEXT_PARTS and part.text is not None,
+                f"Only text content parts are supported, got {part.type!r}.", param)
+    return [{"type": "text", "text": part.text} for part in content]
+
+
+def _chat_tool(tool: dict, i: int) -> dict:
+    """A Responses function tool (``{"type": "function", "name", "parameters", ...}``) in chat's shape."""
+    _refuse(tool.get("type") == "function", f"Only function tools are supported, got {tool.get('type')!r}.",
+            f"tools[{i}]")
+    return {"type": "function", "function": {key: tool[key] for key in _TOOL_FIELDS if key in tool}}
 
 
 class ResponsesRenderer:
+    """Chat's answer (read by ``chat``, a ChatRenderer: text, and tool calls parsed or forced) as output items."""
     operation_name = "chat"
 
-    def __init__(self, body: ResponsesRequest) -> None:
+    def __init__(self, body: ResponsesRequest, chat: ChatRenderer) -> None:
         self._body = body
-        self._message_id = f"msg_{uuid.uuid4().hex}"
+        self._chat = chat
         self._sequence = 0
 
     def response(self, ctx: RequestContext, results: list[ChoiceResult], usage: Usage) -> dict:
-        result = results[0]
-        status = _status(result.finish_reason)
-        return self._response(ctx, status, [self._message(result.text, status)], usage)
+        choice = self._chat.full_choice(results[0])
+        status = _status(choice["finish_reason"])
+        message = choice["message"]
+        items = [_function_call(call, "completed") for call in message.get("tool_calls") or []]
+        if message.get("content") or not items:
+            items.insert(0, _message(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
+        return self._response(ctx, status, items, usage)
 
     async def events(self, ctx: RequestContext, params: GenerationParams, steps, usage: Usage, num_choices: int):
         yield self._event("response.created", response=self._response(ctx, "in_progress", []))
         yield self._event("response.in_progress", response=self._response(ctx, "in_progress", []))
-        yield self._event("response.output_item.added", output_index=0,
-                          item={**self._message("", "in_progress"), "content": []})
-        where = {"item_id": self._message_id, "output_index": 0, "content_index": 0}
-        yield self._event("response.content_part.added", **where, part=_output_text(""))
+        items: list[dict] = []  # in output order
+        message: dict | None = None  # the text's item, once there is text
+        calls: dict[int, dict] = {}  # by chat's tool-call index
         text, finish_reason = "", None
-        step: Step
+        for delta in [choice["delta"] for choice in self._chat.preamble([0])]:  # a forced call opens here
+            for event in self._call_events(delta, items, calls):
+                yield event
         async for step in steps:
-            if step.text:
-                text += step.text
-                yield self._event("response.output_text.delta", **where, delta=step.text, logprobs=[])
-            finish_reason = step.finish_reason or finish_reason
+            choice = self._chat.stream_choice(step)
+            if choice is None:
+                continue
+            finish_reason = choice["finish_reason"] or finish_reason
+            delta = choice["delta"]
+            if delta.get("content"):
+                if message is None:
+                    message = {**_message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), "content": []}
+                    items.append(message)
+                    yield self._event("response.output_item.added", output_index=len(items) - 1, item=message)
+                    yield self._event("response.content_part.added", **self._where(message, items),
+                                      part=_output_text(""))
+                text += delta["content"]
+                yield self._event("response.output_text.delta", **self._where(message, items), delta=delta["content"],
+                                  logprobs=[])
+            for event in self._call_events(delta, items, calls):
+                yield event
         status = _status(finish_reason)
-        yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-        yield self._event("response.content_part.done", **where, part=_output_text(text))
-        message = self._message(text, status)
-        yield self._event("response.output_item.done", output_index=0, item=message)
-        yield self._event(f"response.{status}", response=self._response(ctx, status, [message], usage))
+        if message is None and not calls:  # nothing came: an empty message
+            message = {**_message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), "content": []}
+            items.append(message)
+            yield self._event("response.output_item.added", output_index=0, item=message)
+            yield self._event("response.content_part.added", **self._where(message, items), part=_output_text(""))
+        for index, item in enumerate(items):
+            if item is message:
+                yield self._event("response.output_text.done", **self._where(item, items), text=text, logprobs=[])
+                yield self._event("response.content_part.done", **self._where(item, items), part=_output_text(text))
+                items[index] = _message(item["id"], text, status)
+            else:
+                yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"])
+                items[index] = {**item, "status": "completed"}
+            yield self._event("response.output_item.done", output_index=index, item=items[index])
+        yield self._event(f"response.{status}", response=self._response(ctx, status, items, usage))
+
+    def _call_events(self, delta: dict, items: list[dict], calls: dict[int, dict]) -> list[bytes]:
+        """The events of a chat delta's tool-call pieces: a new call's item, then its arguments' piece."""
+        events = []
+        for piece in delta.get("tool_calls") or []:
+            function = piece.get("function") or {}
+            call = calls.get(piece["index"])
+            if call is None:
+                call = calls[piece["index"]] = _function_call(piece, "in_progress") | {"arguments": ""}
+                items.append(call)
+                events.append(self._event("response.output_item.added", output_index=len(items) - 1, item=call))
+            if function.get("arguments"):
+                call["arguments"] += function["arguments"]
+                events.append(self._event("response.function_call_arguments.delta", item_id=call["id"],
+                                          output_index=items.index(call), delta=function["arguments"]))
+        return events
 
     def error_events(self, error: OpenAIError) -> list[bytes]:
         detail = error.body()["error"]
@@ -121,9 +208,9 @@ class ResponsesRenderer:
         self._sequence += 1
         return b"event: " + kind.encode() + b"\n" + sse.event(payload)
 
-    def _message(self, text: str, status: str) -> dict:
-        return {"id": self._message_id, "type": "message", "status": status, "role": "assistant",
-                "content": [_output_text(text)]}
+    @staticmethod
+    def _where(message: dict, items: list[dict]) -> dict:
+        return {"item_id": message["id"], "output_index": items.index(message), "content_index": 0}
 
     def _response(self, ctx: RequestContext, status: str, output: list[dict], usage: Usage | None = None) -> dict:
         body = self._body
@@ -134,10 +221,22 @@ class ResponsesRenderer:
             "background": False, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": ctx.model,
-            "output": output, "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
-            "store": False, "temperature": body.temperature, "text": {"format": text_format}, "tool_choice": "auto",
-            "tools": [], "top_p": body.top_p, "truncation": "disabled", "user": body.user,
-            "metadata": body.metadata or {}, "usage": _usage(usage) if usage is not None else None}
+            "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
+            "reasoning": None, "store": False, "temperature": body.temperature, "text": {"format": text_format},
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto", "tools": body.tools or [],
+            "top_p": body.top_p, "truncation": "disabled", "user": body.user, "metadata": body.metadata or {},
+            "usage": _usage(usage) if usage is not None else None}
+
+
+def _message(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [_output_text(text)]}
+
+
+def _function_call(call: dict, status: str) -> dict:
+    """A chat tool call (whole, or a stream's first piece of it) as a ``function_call`` item."""
+    function = call.get("function") or {}
+    return {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": status, "call_id": call.get("id"),
+            "name": function.get("name"), "arguments": function.get("arguments") or ""}
 
 
 def _status(finish_reason: str | None) -> str:
@@ -168,5 +267,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         error.param = _PARAMS.get(error.param, error.param)
         raise
     params.max_tokens_param = "max_output_tokens"
-    prompt = await state.upstream.encode_chat(await messages_proto(chat.messages), True, None, {})
-    return await serve(request, state, facts, ctx, params, [prompt], ResponsesRenderer(body))
+    tool_use = validate_tools(chat, state.tool_call_parser)
+    forced = tool_use.forced
+    params.constraint = only_one(params.constraint, forced.constraint if forced else None)
+    prompt = await state.upstream.encode_chat(await messages_proto(chat.messages), True, None,
+                                              {"tools": tool_use.tools} if tool_use.tools else {})
+    renderer = ChatRenderer(state.upstream, False, tool_use.parses_calls,
+                            ForcedToolCalls(forced.function_name) if forced else None)
+    return await serve(request, state, facts, ctx, params, [prompt], ResponsesRenderer(body, renderer))

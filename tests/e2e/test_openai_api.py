@@ -1,6 +1,7 @@
 """The OpenAI API through the real `openai` client against the real stack: streamed and
 non-streamed answers agree, n choices, usage, logprobs, echo, headers, health and metrics."""
 
+import json
 from collections import defaultdict
 
 import httpx
@@ -187,6 +188,29 @@ def test_responses_api_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_0")
     assert refused.value.body["param"] == "previous_response_id"
+
+
+def test_responses_api_calls_a_function_and_reads_its_output(client):
+    """A forced function call comes back as a function_call item (arguments valid against its schema),
+    streamed as its item and argument deltas; the call and its output sent back as input items give the
+    next turn."""
+    tools = [{"type": "function", "name": "weather", "description": "The weather in a city.", "strict": True,
+              "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                             "required": ["city"], "additionalProperties": False}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=32,
+                                    tool_choice={"type": "function", "name": "weather"})
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "weather" and call.call_id
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    events = list(client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=32, stream=True,
+                                          tool_choice={"type": "function", "name": "weather"}))
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(streamed)["city"] in ("Paris", "Rome") and events[-1].response.output[0].arguments == streamed
+    second = client.responses.create(model=MODEL, tools=tools, max_output_tokens=4, tool_choice="none", input=ask + [
+        {"type": "function_call", "call_id": call.call_id, "name": "weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}])
+    assert second.output[0].type == "message" and second.usage.input_tokens > first.usage.input_tokens
 
 
 def test_sampling_parameters_are_accepted(client):
