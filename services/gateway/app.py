@@ -27,7 +27,7 @@ from services.gateway.middleware import (
 from services.gateway.serving import GatewayState, gateway_state
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.upstream import MAX_MESSAGE_BYTES, Upstream
-from services.gateway.validation import Limits
+from services.gateway.validation import Limits, ModelFacts, check_model
 
 # A body of B bytes can tokenize to B token ids (byte-level BPE), up to 4 bytes each on the wire,
 # and that reply must fit the gRPC message limit: else the request would fail with a retryable
@@ -104,13 +104,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(responses.router)
     app.include_router(tokenize.router)
 
+    def model_card(facts: ModelFacts) -> dict:
+        return {"id": facts.name, "object": "model", "created": int(time.time()), "owned_by": "strata",
+                "root": facts.name, "parent": None, "max_model_len": facts.max_model_len}
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         facts = await gateway_state(request).upstream.facts()
-        model = {"id": facts.name, "object": "model", "created": int(time.time()),
-                 "owned_by": "strata", "root": facts.name, "parent": None,
-                 "max_model_len": facts.max_model_len}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [model_card(facts)]})
+
+    @app.get("/v1/models/{model:path}")  # the served name may hold slashes ("org/name")
+    async def retrieve_model(model: str, request: Request) -> JSONResponse:
+        facts = await gateway_state(request).upstream.facts()
+        check_model(model, facts)
+        return JSONResponse(model_card(facts))
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -152,11 +152,9 @@ class ResponsesRenderer:
             delta = choice["delta"]
             if delta.get("content"):
                 if message is None:
-                    message = {**_message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), "content": []}
-                    items.append(message)
-                    yield self._event("response.output_item.added", output_index=len(items) - 1, item=message)
-                    yield self._event("response.content_part.added", **self._where(message, items),
-                                      part=_output_text(""))
+                    message = self._open_message(items)
+                    for event in self._opened(message, items):
+                        yield event
                 text += delta["content"]
                 yield self._event("response.output_text.delta", **self._where(message, items), delta=delta["content"],
                                   logprobs=[])
@@ -164,10 +162,9 @@ class ResponsesRenderer:
                 yield event
         status = _status(finish_reason)
         if message is None and not calls:  # nothing came: an empty message
-            message = {**_message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), "content": []}
-            items.append(message)
-            yield self._event("response.output_item.added", output_index=0, item=message)
-            yield self._event("response.content_part.added", **self._where(message, items), part=_output_text(""))
+            message = self._open_message(items)
+            for event in self._opened(message, items):
+                yield event
         for index, item in enumerate(items):
             if item is message:
                 yield self._event("response.output_text.done", **self._where(item, items), text=text, logprobs=[])
@@ -179,6 +176,16 @@ class ResponsesRenderer:
                 items[index] = {**item, "status": "completed"}
             yield self._event("response.output_item.done", output_index=index, item=items[index])
         yield self._event(f"response.{status}", response=self._response(ctx, status, items, usage))
+
+    @staticmethod
+    def _open_message(items: list[dict]) -> dict:
+        message = {**_message(f"msg_{uuid.uuid4().hex}", "", "in_progress"), "content": []}
+        items.append(message)
+        return message
+
+    def _opened(self, message: dict, items: list[dict]) -> list[bytes]:
+        return [self._event("response.output_item.added", output_index=items.index(message), item=message),
+                self._event("response.content_part.added", **self._where(message, items), part=_output_text(""))]
 
     def _call_events(self, delta: dict, items: list[dict], calls: dict[int, dict]) -> list[bytes]:
         """The events of a chat delta's tool-call pieces: a new call's item, then its arguments' piece."""

@@ -28,6 +28,10 @@ def stream_chat(client, **kwargs):
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("other/model")
+    assert missing.value.body["message"] == "The model `other/model` does not exist."
 
 
 def test_greedy_chat_streamed_equals_non_streamed(client):
