@@ -144,13 +144,10 @@ class ResponseInputItem(_Body):
     output: StrictStr | list[ResponseInputContent] | None = None  # function_call_output
 
 
-class ResponseTextFormat(_Body):
-    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its ``name``, ``schema``, ``strict``."""
+class ResponseTextFormat(JsonSchemaFormat):
+    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with chat's ``json_schema`` fields
+    (``name``, ``schema``, ``strict``) beside its ``type``."""
     type: StrictStr = "text"
-    name: str | None = None
-    description: str | None = None
-    schema_: Any = Field(None, alias="schema")
-    strict: StrictBool | None = None
 
 
 class ResponseText(_Body):

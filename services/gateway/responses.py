@@ -39,8 +39,7 @@ router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # chat's names for the fields a refusal may name -> this endpoint's
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text.format"}
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 _TOOL_FIELDS = ("name", "description", "parameters", "strict")
 
 
