@@ -1,6 +1,7 @@
 """Checkpoint parsing and loading: the three architectures, both rope config forms, sharding, dtypes, errors."""
 
 import json
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from services.engine.attention import get_attention_backend
+from services.engine.models import loader
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
 from services.engine.models.rope import rope_inv_freq
@@ -146,3 +148,31 @@ def test_missing_tensor_named_and_extra_tensor_ignored(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         load(path)
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "50KB"])
+def test_pytorch_bin_checkpoints_load_like_safetensors(tmp_path, max_shard_size):
+    """Older checkpoints hold pytorch_model.bin (or shards and pytorch_model.bin.index.json), as vLLM reads them."""
+    path = write_checkpoint(tmp_path / "safetensors", "qwen2")
+    tensors = load_file(path / "model.safetensors")
+    pickled = tmp_path / "bin"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((path / "config.json").read_text())
+    if max_shard_size is None:
+        torch.save(tensors, pickled / "pytorch_model.bin")
+    else:
+        names = sorted(tensors)
+        shards = {f"pytorch_model-0000{i + 1}-of-00003.bin": names[i::3] for i in range(3)}
+        for file, shard in shards.items():
+            torch.save({name: tensors[name] for name in shard}, pickled / file)
+        weight_map = {name: file for file, shard in shards.items() for name in shard}
+        (pickled / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with patch.object(loader, "can_pack", lambda device, dtype: False):
+        ours, reference = load(pickled), load(path)
+    reference_params = dict(reference.named_parameters())
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(param, reference_params[name], rtol=0, atol=0, msg=name)
+    for file in pickled.glob("pytorch_model*"):
+        file.unlink()
+    with pytest.raises(ValueError, match="has no weights: neither model.safetensors"):
+        load(pickled)

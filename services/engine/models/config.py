@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from services.common import checkpoint_facts
+from services.engine.models.quantized_weights import check_supported
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class ModelConfig:
     layer_sliding_windows: tuple[int | None, ...]  # per layer: the keys a query sees, itself included; None: all
     checkpoint_dtype: torch.dtype | None
     eos_token_ids: tuple[int, ...]
+    quantization: dict | None = None  # config.json's quantization_config: its weights are dequantized at load
 
     def resolve_max_model_len(self, requested: int | None) -> int:
         """The context length to serve: ``max_position_embeddings`` unless a shorter one is requested."""
@@ -87,6 +89,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} in {config_path}; only silu is supported")
 
+    check_supported(hf.get("quantization_config"), str(config_path))
+
     num_heads = hf["num_attention_heads"]
     is_qwen2 = architecture == "Qwen2ForCausalLM"
     is_llama = architecture == "LlamaForCausalLM"  # the only one of the three with bias switches
@@ -110,6 +114,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         layer_sliding_windows=_parse_sliding_windows(hf, architecture, config_path),
         checkpoint_dtype=_CHECKPOINT_DTYPES.get(hf.get("dtype") or hf.get("torch_dtype")),
         eos_token_ids=checkpoint_facts.eos_token_ids(model_dir),
+        quantization=hf.get("quantization_config"),
     )
 
 
