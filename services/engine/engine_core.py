@@ -82,6 +82,10 @@ class EngineCore:
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stop}.",
                                       param="stop_token_ids")
         if params.structured_output is not None:
+            bad_start = [t for t in params.structured_output.starts_after if not 0 <= t < self.vocab_size]
+            if bad_start:
+                raise InvalidRequestError(f"structured_output.starts_after must be in [0, {self.vocab_size}), "
+                                          f"got {bad_start}.", param="structured_output")
             self.structured_output.check(params.structured_output)  # compiled (and cached) here
 
     def add_request(
@@ -102,7 +106,11 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                           cache_salt=cache_salt, arrival_time=arrival_time, fairness_key=fairness_key)
         if params.structured_output is not None:
-            request.grammar = self.structured_output.matcher(params.structured_output)
+            matcher = self.structured_output.matcher(params.structured_output)
+            if params.structured_output.starts_after:
+                request.dormant_grammar = matcher
+            else:
+                request.grammar = matcher
         self.scheduler.add_request(request)
         return request
 

@@ -109,7 +109,10 @@ class Request:
         self.num_preemptions = 0
         # Structured output: its llguidance matcher, advanced by the scheduler with each token it
         # accepts (a preempted request keeps its tokens, so the matcher stays where it was); None: free.
+        # A constraint that starts after some tokens (a reasoning model's end of thinking) waits in
+        # ``dormant_grammar`` until the output ends with them.
         self.grammar = None
+        self.dormant_grammar = None
         # Prompt logprobs being gathered: entry j for prompt token j + 1, filled as the steps compute
         # positions j; None when not asked for, or once delivered with the first token. While gathering,
         # the request takes nothing from the prefix cache (a cached position has no logits).

@@ -199,6 +199,8 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.consume_token(token_id):
                 log.error("request %s: token %d breaks its structured-output constraint (%s); it stops here",
                           request.request_id, token_id, request.grammar.get_error())
+            elif request.dormant_grammar is not None:
+                _wake_grammar(request)
             times = request.times
             times.previous_token, times.last_token = times.last_token, now
             if times.first_token is None:
@@ -316,3 +318,10 @@ def _request_output(
         stop_token_id=request.stop_token_id,
         times=request.times.copy(),
     )
+
+
+def _wake_grammar(request: Request) -> None:
+    """The constraint that starts after some tokens applies from the token after the output ends with them."""
+    starts_after = request.sampling_params.structured_output.starts_after
+    if tuple(request.output_token_ids[-len(starts_after):]) == starts_after:
+        request.grammar, request.dormant_grammar = request.dormant_grammar, None

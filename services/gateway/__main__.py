@@ -12,6 +12,7 @@ from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.gateway.access_log import quiet_probes
 from services.gateway.app import MAX_BODY_BYTES_LIMIT, GatewayConfig, create_app
+from services.gateway.reasoning import REASONING_PARSERS
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.validation import Limits
 
@@ -56,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the model's tool-call format (hermes: Hermes 2 Pro, Qwen2.5, Qwen3) (default: none)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="the model thinks before it answers; its thinking goes to chat messages' reasoning "
+                             "(deepseek_r1: <think>...</think>, DeepSeek-R1 and its distills, QwQ) (default: none)")
     add_logging_args(parser)
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
                           max_sequences_per_request=args.max_sequences_per_request),
             request_timeout_s=args.request_timeout, max_concurrent_requests=args.max_concurrent_requests,
-            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None, tls=args.tls)
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            reasoning_parser=args.reasoning_parser, tls=args.tls)
     except ValueError as error:
         raise SystemExit(f"strata gateway: {error}")
     app = create_app(config)

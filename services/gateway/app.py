@@ -24,6 +24,7 @@ from services.gateway.middleware import (
     RequestIdMiddleware,
     TracingMiddleware,
 )
+from services.gateway.reasoning import REASONING_PARSERS, ReasoningParser
 from services.gateway.serving import GatewayState, gateway_state
 from services.gateway.tools import TOOL_CALL_PARSERS
 from services.gateway.upstream import MAX_MESSAGE_BYTES, Upstream
@@ -45,6 +46,7 @@ class GatewayConfig:
     rpc_timeout_s: float = 30.0
     request_timeout_s: float = 3600.0
     tool_call_parser: str | None = None  # with auto tool choice on (--enable-auto-tool-choice); else None
+    reasoning_parser: str | None = None  # --reasoning-parser: the model's thinking is told apart (reasoning.py)
     max_concurrent_requests: int = 1024  # generation requests in progress at once; more get 503
     stream_headers_timeout_s: float = 0.5  # longest a stream's headers wait for its first token
     tls: TlsFiles | None = None  # to the tokenizer and the engine/router (services.common.tls)
@@ -52,6 +54,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
         limits = self.limits
         for name in ("max_n", "max_stop_strings", "max_prompts", "max_body_bytes", "max_sequences_per_request"):
             if getattr(limits, name) < 1:
@@ -66,11 +70,14 @@ class GatewayConfig:
             raise ValueError("timeouts must be > 0 seconds")
 
 
-async def _fetch_facts_early(upstream: Upstream) -> None:
-    """The model's facts and the tokenizer's decoder (a parse of its tokenizer JSON) before the first
-    request needs them; where an upstream is not up yet, that request fetches them instead."""
+async def _fetch_facts_early(upstream: Upstream, reasoning: ReasoningParser | None) -> None:
+    """The model's facts and the tokenizer's decoder (a parse of its tokenizer JSON), and the reasoning
+    parser's tags in its vocabulary (an error logged at once), before the first request needs them;
+    where an upstream is not up yet, that request fetches them instead."""
     try:
         await upstream.facts()
+        if reasoning is not None:
+            await reasoning.end_token_ids(upstream)
     except errors.OpenAIError:
         pass
 
@@ -84,10 +91,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         upstream = Upstream(config.tokenizer_addr, config.engine_addr, config.served_model_name,
                             rpc_timeout_s=config.rpc_timeout_s,
                             generate_timeout_s=config.request_timeout_s, tls=config.tls)
+        reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
         app.state.gateway = GatewayState(upstream, metrics, config.limits, config.tool_call_parser,
-                                         config.stream_headers_timeout_s, drain)
+                                         config.stream_headers_timeout_s, drain, reasoning)
         drain.loop = asyncio.get_running_loop()
-        warm_up = asyncio.ensure_future(_fetch_facts_early(upstream))
+        warm_up = asyncio.ensure_future(_fetch_facts_early(upstream, reasoning))
         try:
             yield
         finally:

@@ -2,6 +2,7 @@
 chat shapes (first streamed delta of each choice carries ``role: assistant``)."""
 
 import asyncio
+import dataclasses
 import json
 
 from fastapi import APIRouter, Request
@@ -12,6 +13,7 @@ from services.gateway import logprobs as lp
 from services.gateway.forced_tool_calls import ForcedToolCalls
 from services.gateway.generation import Step
 from services.gateway.protocol import ERROR_RESPONSES, ChatCompletionRequest, ChatMessage, ContentPart
+from services.gateway.reasoning import ReasoningStream, ReasoningTags, split_reasoning
 from services.gateway.request_body import JsonBodyRoute
 from services.gateway.serving import ChoiceRenderer, ChoiceResult, RequestContext, gateway_state, serve
 from services.gateway.structured_output import only_one
@@ -28,14 +30,20 @@ class ChatRenderer(ChoiceRenderer):
     operation_name = "chat"
 
     def __init__(self, upstream: Upstream, with_logprobs: bool, parses_tool_calls: bool = False,
-                 forced_tool_calls: ForcedToolCalls | None = None, num_prompt_logprobs: int | None = None) -> None:
-        """``num_prompt_logprobs``: the response carries vLLM's ``prompt_logprobs`` with this many alternatives."""
+                 forced_tool_calls: ForcedToolCalls | None = None, num_prompt_logprobs: int | None = None,
+                 reasoning: ReasoningTags | None = None, include_reasoning: bool = True) -> None:
+        """``num_prompt_logprobs``: the response carries vLLM's ``prompt_logprobs`` with this many alternatives.
+        ``reasoning``: the model thinks between these tags (`reasoning.py`); what it thinks is the message's
+        ``reasoning`` (dropped without ``include_reasoning``), and the rest is read as the answer."""
         self._upstream = upstream
         self._num_prompt_logprobs = num_prompt_logprobs
         self._with_logprobs = with_logprobs
         self._parses_tool_calls = parses_tool_calls
         self._tool_streams: dict[int, ToolCallStream] = {}  # by choice index
         self._forced = forced_tool_calls
+        self._reasoning = reasoning
+        self._include_reasoning = include_reasoning
+        self._reasoning_streams: dict[int, ReasoningStream] = {}  # by choice index
 
     def _logprobs(self, entries: list) -> dict | None:
         if not self._with_logprobs:
@@ -50,10 +58,16 @@ class ChatRenderer(ChoiceRenderer):
 
     def stream_choice(self, step: Step) -> dict | None:
         has_logprobs = self._with_logprobs and bool(step.logprobs)
+        reasoning = ""
+        if self._reasoning is not None:
+            reasoning, answer = self._split_stream(step)
+            step = dataclasses.replace(step, text=answer)
         if self._forced is not None:
             delta, finish_reason = self._forced.stream_delta(step.index, step.text, step.finish_reason)
         else:
-            delta, finish_reason = self._content_delta(step, has_logprobs)
+            delta, finish_reason = self._content_delta(step, has_logprobs and not reasoning)
+        if reasoning and self._include_reasoning:
+            delta = {**_reasoning_fields(reasoning), **delta}
         if not delta and finish_reason is None and not has_logprobs:
             return None
         choice = {"index": step.index, "delta": delta,
@@ -62,6 +76,15 @@ class ChatRenderer(ChoiceRenderer):
         if finish_reason is not None:
             choice["stop_reason"] = step.stop_reason
         return choice
+
+    def _split_stream(self, step: Step) -> tuple[str, str]:
+        """The step's text as (reasoning, answer), at the end of the output with what was held back."""
+        stream = self._reasoning_streams.setdefault(step.index, ReasoningStream(self._reasoning))
+        reasoning, answer = stream.feed(step.text)
+        if step.finish_reason is not None:
+            held_reasoning, held_answer = stream.finish()
+            reasoning, answer = reasoning + held_reasoning, answer + held_answer
+        return reasoning, answer
 
     def _content_delta(self, step: Step, has_logprobs: bool) -> tuple[dict, str | None]:
         """The text as content, less any tool calls the auto tool parser reads out of it."""
@@ -78,15 +101,20 @@ class ChatRenderer(ChoiceRenderer):
         return delta, finish_reason
 
     def full_choice(self, result: ChoiceResult) -> dict:
-        message = {"role": "assistant", "content": result.text}
+        text, reasoning = result.text, None
+        if self._reasoning is not None:
+            reasoning, text = split_reasoning(text, self._reasoning)
+        message = {"role": "assistant", "content": text}
         finish_reason = result.finish_reason
         if self._forced is not None:
-            message, finish_reason = self._forced.message(result.text, finish_reason)
+            message, finish_reason = self._forced.message(text or "", finish_reason)
         elif self._parses_tool_calls:
-            content, calls = parse_tool_calls(result.text)
+            content, calls = parse_tool_calls(text or "")
             message = {"role": "assistant", "content": content,
                        "tool_calls": [{k: v for k, v in call.items() if k != "index"} for call in calls]}
             finish_reason = _with_tool_calls(finish_reason, len(calls))
+        if self._reasoning is not None and self._include_reasoning:
+            message = {"role": "assistant", **_reasoning_fields(reasoning), **message}
         return {"index": result.index, "message": message, "logprobs": self._logprobs(result.logprobs),
                 "finish_reason": finish_reason, "stop_reason": result.stop_reason}
 
@@ -96,6 +124,11 @@ class ChatRenderer(ChoiceRenderer):
         entries = results[0].prompt_logprobs  # every choice has the one prompt
         texts = self._upstream.token_texts(lp.token_ids_of(entries))
         return {"prompt_logprobs": lp.prompt_logprobs(entries, texts, self._num_prompt_logprobs)}
+
+
+def _reasoning_fields(reasoning: str | None) -> dict:
+    """vLLM's ``reasoning`` and its former name ``reasoning_content``, which DeepSeek's API uses."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def _with_tool_calls(finish_reason: str | None, num_calls: int) -> str | None:
@@ -139,11 +172,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     tool_use = validate_tools(body, state.tool_call_parser)
     forced = tool_use.forced
     params.constraint = only_one(params.constraint, forced.constraint if forced else None)
+    if state.reasoning is not None and params.constraint is not None:  # the answer keeps to it, not the thinking
+        params.constraint = await state.reasoning.constraint_after_thinking(state.upstream, params.constraint)
     messages = await messages_proto(body.messages)
     # the request's tools reach the template as transformers passes them; chat_template_kwargs win
     template_kwargs = {**({"tools": tool_use.tools} if tool_use.tools else {}), **(body.chat_template_kwargs or {})}
     prompt = await state.upstream.encode_chat(messages, body.add_generation_prompt,
                                               body.chat_template, template_kwargs)
     renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parses_calls,
-                            ForcedToolCalls(forced.function_name) if forced else None, body.prompt_logprobs)
+                            ForcedToolCalls(forced.function_name) if forced else None, body.prompt_logprobs,
+                            state.reasoning.tags if state.reasoning else None, body.include_reasoning)
     return await serve(request, state, facts, ctx, params, [prompt], renderer)

@@ -120,6 +120,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: StrictBool = True  # with --reasoning-parser: false drops the thinking from the answer
 
 
 class ResponseInputContent(_Body):

@@ -129,8 +129,11 @@ class ResponsesRenderer:
         status = _status(choice["finish_reason"])
         message = choice["message"]
         items = [_function_call(call, "completed") for call in message.get("tool_calls") or []]
+        if message.get("reasoning"):
+            items.insert(0, _reasoning(f"rs_{uuid.uuid4().hex}", message["reasoning"], "completed"))
         if message.get("content") or not items:
-            items.insert(0, _message(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
+            items.insert(len(items) - len(message.get("tool_calls") or []),
+                         _message(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
         return self._response(ctx, status, items, usage)
 
     async def events(self, ctx: RequestContext, params: GenerationParams, steps, usage: Usage, num_choices: int):
@@ -138,8 +141,9 @@ class ResponsesRenderer:
         yield self._event("response.in_progress", response=self._response(ctx, "in_progress", []))
         items: list[dict] = []  # in output order
         message: dict | None = None  # the text's item, once there is text
+        thought: dict | None = None  # the reasoning's item, once there is reasoning (--reasoning-parser)
         calls: dict[int, dict] = {}  # by chat's tool-call index
-        text, finish_reason = "", None
+        text, reasoning, finish_reason = "", "", None
         for delta in [choice["delta"] for choice in self._chat.preamble([0])]:  # a forced call opens here
             for event in self._call_events(delta, items, calls):
                 yield event
@@ -149,6 +153,14 @@ class ResponsesRenderer:
                 continue
             finish_reason = choice["finish_reason"] or finish_reason
             delta = choice["delta"]
+            if delta.get("reasoning"):
+                if thought is None:
+                    thought = {**_reasoning(f"rs_{uuid.uuid4().hex}", "", "in_progress"), "content": []}
+                    items.append(thought)
+                    yield self._event("response.output_item.added", output_index=len(items) - 1, item=thought)
+                reasoning += delta["reasoning"]
+                yield self._event("response.reasoning_text.delta", **self._where(thought, items),
+                                  delta=delta["reasoning"])
             if delta.get("content"):
                 if message is None:
                     message = self._open_message(items)
@@ -160,7 +172,7 @@ class ResponsesRenderer:
             for event in self._call_events(delta, items, calls):
                 yield event
         status = _status(finish_reason)
-        if message is None and not calls:  # nothing came: an empty message
+        if message is None and not calls and thought is None:  # nothing came: an empty message
             message = self._open_message(items)
             for event in self._opened(message, items):
                 yield event
@@ -169,6 +181,9 @@ class ResponsesRenderer:
                 yield self._event("response.output_text.done", **self._where(item, items), text=text, logprobs=[])
                 yield self._event("response.content_part.done", **self._where(item, items), part=_output_text(text))
                 items[index] = _message(item["id"], text, status)
+            elif item is thought:
+                yield self._event("response.reasoning_text.done", **self._where(item, items), text=reasoning)
+                items[index] = _reasoning(item["id"], reasoning, "completed")
             else:
                 yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=item["arguments"])
@@ -238,6 +253,12 @@ def _message(item_id: str, text: str, status: str) -> dict:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [_output_text(text)]}
 
 
+def _reasoning(item_id: str, text: str, status: str) -> dict:
+    """The model's thinking (chat's ``reasoning``) as a ``reasoning`` item: its text, no summary."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
 def _function_call(call: dict, status: str) -> dict:
     """A chat tool call (whole, or a stream's first piece of it) as a ``function_call`` item."""
     function = call.get("function") or {}
@@ -276,8 +297,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     tool_use = validate_tools(chat, state.tool_call_parser)
     forced = tool_use.forced
     params.constraint = only_one(params.constraint, forced.constraint if forced else None)
+    if state.reasoning is not None and params.constraint is not None:  # the answer keeps to it, not the thinking
+        params.constraint = await state.reasoning.constraint_after_thinking(state.upstream, params.constraint)
     prompt = await state.upstream.encode_chat(await messages_proto(chat.messages), True, None,
                                               {"tools": tool_use.tools} if tool_use.tools else {})
     renderer = ChatRenderer(state.upstream, False, tool_use.parses_calls,
-                            ForcedToolCalls(forced.function_name) if forced else None)
+                            ForcedToolCalls(forced.function_name) if forced else None,
+                            reasoning=state.reasoning.tags if state.reasoning else None)
     return await serve(request, state, facts, ctx, params, [prompt], ResponsesRenderer(body, renderer))

@@ -30,6 +30,7 @@ from services.gateway.drain import Drain
 from services.gateway.errors import OpenAIError
 from services.gateway.generation import FanOut, Step, plan_choices
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.reasoning import ReasoningParser
 from services.gateway.upstream import Upstream
 from services.gateway.validation import GenerationParams, Limits, ModelFacts, resolve_max_tokens
 
@@ -45,6 +46,7 @@ class GatewayState:
     tool_call_parser: str | None = None  # set when auto tool choice is on
     stream_headers_timeout_s: float = 0.5  # see the module's docstring
     drain: Drain = field(default_factory=Drain)  # SIGTERM: running streams get --shutdown-timeout to finish
+    reasoning: ReasoningParser | None = None  # --reasoning-parser
 
 
 def gateway_state(request: Request) -> GatewayState:

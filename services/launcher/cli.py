@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gateway.add_argument("--enable-auto-tool-choice", action="store_true",
                          help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
     gateway.add_argument("--tool-call-parser", help="the model's tool-call format, e.g. hermes (default: none)")
+    gateway.add_argument("--reasoning-parser", help="the model's thinking format, e.g. deepseek_r1: chat messages "
+                                                    "carry it as reasoning (default: none)")
     gateway.add_argument("--gateway-args", default="",
                          help="more gateway flags, one quoted string, e.g. \"--max-n 4\" (default: none)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
@@ -105,6 +107,8 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
     if args.tool_call_parser is not None:
         flags += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser is not None:
+        flags += ["--reasoning-parser", args.reasoning_parser]
     return flags + shlex.split(args.gateway_args)
 
 

@@ -173,3 +173,26 @@ def test_eos_is_allowed_exactly_where_the_constraint_may_end(llm, default_model_
         assert request.grammar.consume_token(token)
     after_ab = allowed()
     assert after_ab[eos].all() and after_ab[tokenizer.encode("ab", add_special_tokens=False).ids[0]]  # end, or go on
+
+
+def test_a_constraint_that_starts_after_some_tokens_leaves_those_before_free(llm, decode):
+    """A reasoning model's answer keeps to the constraint, its thinking does not: the tokens up to the
+    end-of-thinking ones are what the free model writes, the rest is the constraint's."""
+    free = llm.generate([PROMPT], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)])[0].token_ids
+    end = tuple(free[3:5])  # where the free output has them (a thought's end tag)
+    after = Constraint("regex", REGEX, starts_after=end)
+    output = llm.generate([PROMPT], [SamplingParams(temperature=0.0, max_tokens=60, structured_output=after)])[0]
+    assert output.token_ids[:5] == free[:5]
+    assert re.fullmatch(REGEX, decode(output.token_ids[5:])) and output.finish_reason == "stop"
+    never = Constraint("regex", REGEX, starts_after=(free[0], free[0], free[0]))  # never written: never applies
+    unconstrained = llm.generate([PROMPT], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                           structured_output=never)])[0]
+    assert unconstrained.token_ids == free
+
+
+def test_starts_after_travels_in_the_generate_request_and_is_checked(llm):
+    request = engine_pb2.GenerateRequest(prompt_token_ids=[1], stop=engine_pb2.StopCriteria(max_tokens=4),
+                                         structured_output=engine_pb2.StructuredOutput(regex="a+", starts_after=[7, 8]))
+    assert sampling_params_from_proto(request).structured_output == Constraint("regex", "a+", (7, 8))
+    with pytest.raises(InvalidRequestError, match=r"starts_after must be in \[0, \d+\), got \[-1\]"):
+        llm.core.add_request("bad", PROMPT, SamplingParams(structured_output=Constraint("regex", "a+", (-1,))))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/engine.proto\x12\tstrata.v1\"\x98\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.strata.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"b\n\x0cStopCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x17.strata.v1.StopCriteria\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61irness_key\x18\x06 \x01(\t\x12\x36\n\x11structured_output\x18\x07 \x01(\x0b\x32\x1b.strata.v1.StructuredOutput\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.strata.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"w\n\x0fSampledLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.strata.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x14\n\x0csampled_rank\x18\x03 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x9b\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.strata.v1.SampledLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.strata.v1.SampledLogprobsB\x10\n\x0e_stop_token_id\"^\n\x13GenerateManyRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.strata.v1.GenerateRequest\x12\x19\n\x11\x61\x62ort_request_ids\x18\x02 \x03(\t\"P\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\x12\x12\n\nerror_code\x18\x04 \x01(\t\"\x8b\x01\n\x12GenerateManyOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06output\x18\x02 \x01(\x0b\x32\x1b.strata.v1.GenerateResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.strata.v1.RequestErrorH\x00\x42\x08\n\x06result\"F\n\x14GenerateManyResponse\x12.\n\x07outputs\x18\x01 \x03(\x0b\x32\x1d.strata.v1.GenerateManyOutput\"\x13\n\x11\x45ngineInfoRequest\"\xf9\x02\n\x12\x45ngineInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\r\x12\x15\n\rgenerate_many\x18\x0c \x01(\x08\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\r \x01(\rH\x00\x88\x01\x01\x12 \n\x13\x64\x65\x66\x61ult_temperature\x18\x0e \x01(\x02H\x01\x88\x01\x01\x42\x15\n\x13_default_max_tokensB\x16\n\x14_default_temperature\"\r\n\x0bLoadRequest\"\xa4\x02\n\nLoadReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x05 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x14\n\x0ctimestamp_ns\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa0\x02\n\x06\x45ngine\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12S\n\x0cGenerateMany\x12\x1e.strata.v1.GenerateManyRequest\x1a\x1f.strata.v1.GenerateManyResponse(\x01\x30\x01\x12\x43\n\x04Info\x12\x1c.strata.v1.EngineInfoRequest\x1a\x1d.strata.v1.EngineInfoResponse\x12\x35\n\x04Load\x12\x16.strata.v1.LoadRequest\x1a\x15.strata.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/engine.proto\x12\tstrata.v1\"\x98\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.strata.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"b\n\x0cStopCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12%\n\x04stop\x18\x04 \x01(\x0b\x32\x17.strata.v1.StopCriteria\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61irness_key\x18\x06 \x01(\t\x12\x36\n\x11structured_output\x18\x07 \x01(\x0b\x32\x1b.strata.v1.StructuredOutput\"\xa8\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.strata.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x14\n\x0cstarts_after\x18\x06 \x03(\x05\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"w\n\x0fSampledLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.strata.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x14\n\x0csampled_rank\x18\x03 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x9b\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.strata.v1.SampledLogprobs\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.strata.v1.Usage\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.strata.v1.SampledLogprobsB\x10\n\x0e_stop_token_id\"^\n\x13GenerateManyRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.strata.v1.GenerateRequest\x12\x19\n\x11\x61\x62ort_request_ids\x18\x02 \x03(\t\"P\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\x12\x12\n\nerror_code\x18\x04 \x01(\t\"\x8b\x01\n\x12GenerateManyOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06output\x18\x02 \x01(\x0b\x32\x1b.strata.v1.GenerateResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.strata.v1.RequestErrorH\x00\x42\x08\n\x06result\"F\n\x14GenerateManyResponse\x12.\n\x07outputs\x18\x01 \x03(\x0b\x32\x1d.strata.v1.GenerateManyOutput\"\x13\n\x11\x45ngineInfoRequest\"\xf9\x02\n\x12\x45ngineInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x16\n\x0eprefix_caching\x18\n \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\x0b \x01(\r\x12\x15\n\rgenerate_many\x18\x0c \x01(\x08\x12\x1f\n\x12\x64\x65\x66\x61ult_max_tokens\x18\r \x01(\rH\x00\x88\x01\x01\x12 \n\x13\x64\x65\x66\x61ult_temperature\x18\x0e \x01(\x02H\x01\x88\x01\x01\x42\x15\n\x13_default_max_tokensB\x16\n\x14_default_temperature\"\r\n\x0bLoadRequest\"\xa4\x02\n\nLoadReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x05 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x14\n\x0ctimestamp_ns\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa0\x02\n\x06\x45ngine\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12S\n\x0cGenerateMany\x12\x1e.strata.v1.GenerateManyRequest\x1a\x1f.strata.v1.GenerateManyResponse(\x01\x30\x01\x12\x43\n\x04Info\x12\x1c.strata.v1.EngineInfoRequest\x1a\x1d.strata.v1.EngineInfoResponse\x12\x35\n\x04Load\x12\x16.strata.v1.LoadRequest\x1a\x15.strata.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2751
-  _globals['_FINISHREASON']._serialized_end=2871
+  _globals['_FINISHREASON']._serialized_start=2773
+  _globals['_FINISHREASON']._serialized_end=2893
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=574
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=372
@@ -45,33 +45,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=677
   _globals['_GENERATEREQUEST']._serialized_end=922
   _globals['_STRUCTUREDOUTPUT']._serialized_start=925
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1071
-  _globals['_CHOICES']._serialized_start=1073
-  _globals['_CHOICES']._serialized_end=1099
-  _globals['_TOKENLOGPROB']._serialized_start=1101
-  _globals['_TOKENLOGPROB']._serialized_end=1150
-  _globals['_SAMPLEDLOGPROBS']._serialized_start=1152
-  _globals['_SAMPLEDLOGPROBS']._serialized_end=1271
-  _globals['_USAGE']._serialized_start=1273
-  _globals['_USAGE']._serialized_end=1360
-  _globals['_GENERATERESPONSE']._serialized_start=1363
-  _globals['_GENERATERESPONSE']._serialized_end=1646
-  _globals['_GENERATEMANYREQUEST']._serialized_start=1648
-  _globals['_GENERATEMANYREQUEST']._serialized_end=1742
-  _globals['_REQUESTERROR']._serialized_start=1744
-  _globals['_REQUESTERROR']._serialized_end=1824
-  _globals['_GENERATEMANYOUTPUT']._serialized_start=1827
-  _globals['_GENERATEMANYOUTPUT']._serialized_end=1966
-  _globals['_GENERATEMANYRESPONSE']._serialized_start=1968
-  _globals['_GENERATEMANYRESPONSE']._serialized_end=2038
-  _globals['_ENGINEINFOREQUEST']._serialized_start=2040
-  _globals['_ENGINEINFOREQUEST']._serialized_end=2059
-  _globals['_ENGINEINFORESPONSE']._serialized_start=2062
-  _globals['_ENGINEINFORESPONSE']._serialized_end=2439
-  _globals['_LOADREQUEST']._serialized_start=2441
-  _globals['_LOADREQUEST']._serialized_end=2454
-  _globals['_LOADREPORT']._serialized_start=2457
-  _globals['_LOADREPORT']._serialized_end=2749
-  _globals['_ENGINE']._serialized_start=2874
-  _globals['_ENGINE']._serialized_end=3162
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1093
+  _globals['_CHOICES']._serialized_start=1095
+  _globals['_CHOICES']._serialized_end=1121
+  _globals['_TOKENLOGPROB']._serialized_start=1123
+  _globals['_TOKENLOGPROB']._serialized_end=1172
+  _globals['_SAMPLEDLOGPROBS']._serialized_start=1174
+  _globals['_SAMPLEDLOGPROBS']._serialized_end=1293
+  _globals['_USAGE']._serialized_start=1295
+  _globals['_USAGE']._serialized_end=1382
+  _globals['_GENERATERESPONSE']._serialized_start=1385
+  _globals['_GENERATERESPONSE']._serialized_end=1668
+  _globals['_GENERATEMANYREQUEST']._serialized_start=1670
+  _globals['_GENERATEMANYREQUEST']._serialized_end=1764
+  _globals['_REQUESTERROR']._serialized_start=1766
+  _globals['_REQUESTERROR']._serialized_end=1846
+  _globals['_GENERATEMANYOUTPUT']._serialized_start=1849
+  _globals['_GENERATEMANYOUTPUT']._serialized_end=1988
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=1990
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=2060
+  _globals['_ENGINEINFOREQUEST']._serialized_start=2062
+  _globals['_ENGINEINFOREQUEST']._serialized_end=2081
+  _globals['_ENGINEINFORESPONSE']._serialized_start=2084
+  _globals['_ENGINEINFORESPONSE']._serialized_end=2461
+  _globals['_LOADREQUEST']._serialized_start=2463
+  _globals['_LOADREQUEST']._serialized_end=2476
+  _globals['_LOADREPORT']._serialized_start=2479
+  _globals['_LOADREPORT']._serialized_end=2771
+  _globals['_ENGINE']._serialized_start=2896
+  _globals['_ENGINE']._serialized_end=3184
 # @@protoc_insertion_point(module_scope)

@@ -83,18 +83,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopCriteria, _Mapping]] = ..., cache_salt: _Optional[str] = ..., fairness_key: _Optional[str] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "starts_after")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STARTS_AFTER_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
     choice: Choices
     grammar: str
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    starts_after: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., starts_after: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)

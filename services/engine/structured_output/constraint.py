@@ -12,6 +12,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 class Constraint:
     kind: str  # one of KINDS
     source: str  # the schema's JSON text, the regex, the grammar; for choice, a JSON list of the strings
+    starts_after: tuple[int, ...] = ()  # it applies once the output ends with these tokens (a thought's end)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -24,9 +25,10 @@ def constraint_from_proto(message: engine_pb2.StructuredOutput) -> Constraint | 
     kind = message.WhichOneof("kind")
     if kind is None:
         return None
+    starts_after = tuple(message.starts_after)
     if kind == "choice":
-        return Constraint(kind, json.dumps(list(message.choice.choices)))
+        return Constraint(kind, json.dumps(list(message.choice.choices)), starts_after)
     if kind == "json_object":
-        return Constraint(kind, "") if message.json_object else None
-    return Constraint(kind, getattr(message, kind))
+        return Constraint(kind, "", starts_after) if message.json_object else None
+    return Constraint(kind, getattr(message, kind), starts_after)
 
