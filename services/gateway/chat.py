@@ -178,7 +178,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     # the request's tools reach the template as transformers passes them; chat_template_kwargs win
     template_kwargs = {**({"tools": tool_use.tools} if tool_use.tools else {}), **(body.chat_template_kwargs or {})}
     prompt = await state.upstream.encode_chat(messages, body.add_generation_prompt,
-                                              body.chat_template, template_kwargs)
+                                              body.chat_template, template_kwargs, body.continue_final_message)
     renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parses_calls,
                             ForcedToolCalls(forced.function_name) if forced else None, body.prompt_logprobs,
                             state.reasoning.tags if state.reasoning else None, body.include_reasoning)

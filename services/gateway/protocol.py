@@ -121,6 +121,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: StrictBool = True  # with --reasoning-parser: false drops the thinking from the answer
+    continue_final_message: StrictBool = False  # the final (assistant) message is continued, not closed
 
 
 class ResponseInputContent(_Body):
@@ -189,6 +190,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None

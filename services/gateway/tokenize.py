@@ -15,7 +15,7 @@ from services.gateway.protocol import ERROR_RESPONSES, DetokenizeRequest, Tokeni
 from services.gateway.request_body import JsonBodyRoute
 from services.gateway.serving import gateway_state
 from services.gateway.tools import check_tool_definitions
-from services.gateway.validation import check_messages, check_model, check_token_ids
+from services.gateway.validation import check_continuation, check_messages, check_model, check_token_ids
 
 router = APIRouter(route_class=JsonBodyRoute)  # bodies read by request_body.py
 
@@ -32,6 +32,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         ids = await upstream.encode(body.prompt, body.add_special_tokens is not False)
     else:
         check_messages(body.messages)
+        check_continuation(body.add_generation_prompt, body.continue_final_message)
         check_tool_definitions(body.tools)
         if body.add_special_tokens:
             raise errors.bad_request("add_special_tokens applies to a prompt: a chat's special tokens are its "
@@ -39,7 +40,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         # as /v1/chat/completions passes them: the tools, then chat_template_kwargs over them
         template_kwargs = {**({"tools": body.tools} if body.tools else {}), **(body.chat_template_kwargs or {})}
         ids = await upstream.encode_chat(await messages_proto(body.messages), body.add_generation_prompt,
-                                         body.chat_template, template_kwargs)
+                                         body.chat_template, template_kwargs, body.continue_final_message)
     token_strs = await upstream.token_strings(ids) if body.return_token_strs else None
     return JSONResponse({"count": len(ids), "max_model_len": facts.max_model_len, "tokens": ids,
                          "token_strs": token_strs})

@@ -100,9 +100,11 @@ class Upstream:
         return list((await self._unary("tokenizer", "Encode", request)).token_ids)
 
     async def encode_chat(self, messages: list[tokenizer_pb2.ChatMessage], add_generation_prompt: bool,
-                          chat_template: str | None, template_kwargs: dict | None) -> list[int]:
+                          chat_template: str | None, template_kwargs: dict | None,
+                          continue_final_message: bool = False) -> list[int]:
         request = tokenizer_pb2.EncodeChatRequest(
             messages=messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             chat_template=chat_template or "",
             template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "")
         return list((await self._unary("tokenizer", "EncodeChat", request)).token_ids)

@@ -203,6 +203,13 @@ def _max_tokens(params: GenerationParams, value: int | None, param: str) -> None
     params.max_tokens, params.max_tokens_param = value, param
 
 
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """A chat either opens a new assistant turn or continues its final message, as vLLM requires."""
+    _check(not (add_generation_prompt and continue_final_message), "Cannot set both `continue_final_message` and "
+           "`add_generation_prompt` to true: set add_generation_prompt to false to continue the final message.",
+           "continue_final_message")
+
+
 def check_messages(messages: list[ChatMessage]) -> None:
     """At least one message, and text content only."""
     _check(len(messages) > 0, "messages must contain at least one message.", "messages")
@@ -217,6 +224,7 @@ def check_messages(messages: list[ChatMessage]) -> None:
 def validate_chat(req: ChatCompletionRequest, facts: ModelFacts, limits: Limits) -> GenerationParams:
     params = _common(req, facts, limits)
     check_messages(req.messages)
+    check_continuation(req.add_generation_prompt, req.continue_final_message)
     if req.max_completion_tokens is not None:
         _max_tokens(params, req.max_completion_tokens, "max_completion_tokens")
     else:

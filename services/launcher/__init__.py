@@ -27,9 +27,9 @@ processes), `probes` (health checks; free ports come from `services.common.ports
 """
 
 from services.common.ports import find_free_port
-from services.launcher.cli import curl_example, engine_flags, gateway_flags, main, parse_args
+from services.launcher.cli import curl_example, engine_flags, gateway_flags, main, parse_args, tokenizer_flags
 from services.launcher.config import StackConfig
 from services.launcher.stack import Stack, StartupError, nats_server_binary
 
 __all__ = ["Stack", "StackConfig", "StartupError", "curl_example", "engine_flags", "find_free_port", "gateway_flags",
-           "main", "nats_server_binary", "parse_args"]
+           "main", "nats_server_binary", "parse_args", "tokenizer_flags"]

@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat_template (off by default: a template is code the "
                              "tokenizer runs; it renders in a sandbox with time and size limits)")
+    parser.add_argument("--chat-template", default=None,
+                        help="the chat template to use instead of the checkpoint's (for a checkpoint without one): "
+                             "a file, or the template itself (default: the checkpoint's)")
     parser.add_argument("--tokenizer-args", default="",
                         help="more tokenizer flags, one quoted string, e.g. \"--workers 2\" (default: none)")
     scaling = parser.add_argument_group("autoscaling (engines added and drained on queue length and KV usage)")
@@ -103,6 +106,13 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags + shlex.split(args.engine_args)
 
 
+def tokenizer_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
+    if args.chat_template is not None:
+        flags += ["--chat-template", args.chat_template]
+    return flags + shlex.split(args.tokenizer_args)
+
+
 def gateway_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
     if args.tool_call_parser is not None:
@@ -130,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                          served_model_name=args.served_model_name, api_key=args.api_key,
                          engine_args=engine_flags(args), gateway_args=gateway_flags(args),
                          router_args=shlex.split(args.router_args),
-                         tokenizer_args=(["--trust-request-chat-template"] if args.trust_request_chat_template else [])
-                         + shlex.split(args.tokenizer_args),
+                         tokenizer_args=tokenizer_flags(args),
                          log_dir=args.log_dir, echo_logs=args.log_dir is None, replicas=args.replicas,
                          autoscale=args.autoscale, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                          autoscaler_args=shlex.split(args.autoscaler_args),

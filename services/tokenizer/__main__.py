@@ -9,6 +9,7 @@ from services.common.metrics_http import start_metrics_server
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.default_model.model import ensure_default_model
+from services.tokenizer.chat_template import server_chat_template
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from services.tokenizer.server import TokenizerServicer, serve
 from services.tokenizer.template_budget import TemplateLimits
@@ -22,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat_template (a template is code the server runs; "
                              "off by default, as in vLLM); it still renders in the sandbox, within the limits below")
+    parser.add_argument("--chat-template", default=None,
+                        help="the chat template to use instead of the checkpoint's (for a checkpoint without one): "
+                             "a file, or the template itself (default: the checkpoint's)")
     parser.add_argument("--chat-template-timeout", type=float, default=1.0,
                         help="seconds one chat template render may take (default: %(default)s)")
     parser.add_argument("--max-chat-template-chars", type=int, default=4 << 20,
@@ -50,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format, service="strata-tokenizer")
     setup_tracing("strata-tokenizer")
     try:
-        tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model())
+        chat_template = server_chat_template(args.chat_template) if args.chat_template else None
+        tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model(), chat_template)
     except (ValueError, FileNotFoundError) as error:  # the checkpoint's: its message says which file
         raise SystemExit(f"strata tokenizer: {error}") from None
     servicer = TokenizerServicer(tokenizer, args.trust_request_chat_template, args.workers, limits)

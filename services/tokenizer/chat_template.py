@@ -52,6 +52,54 @@ def load_chat_templates(model_dir: Path, tokenizer_config: Mapping[str, Any]) ->
     return {}
 
 
+def server_chat_template(value: str) -> str:
+    """``--chat-template``, as vLLM reads it: a path to a template file, or the template itself (a value
+    with Jinja's ``{`` or a line break); compiled here, so a broken one stops the server at start."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif any(char in value for char in "{}\n"):
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a template (a template has {{ or }})")
+    try:
+        _compile(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"--chat-template does not compile: {error} (line {error.lineno})") from None
+    return template
+
+
+CONTINUATION_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for where the final message ends
+
+
+def tag_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with ``CONTINUATION_TAG`` after the final message's text (its last text part), as
+    transformers marks a message to continue (``continue_final_message``); the caller's are not changed."""
+    if not messages or not isinstance(messages[-1].get("content"), str | list):
+        raise InvalidRequestError("continue_final_message needs a final message with content to continue")
+    final = dict(messages[-1])
+    if isinstance(final["content"], str):
+        final["content"] += CONTINUATION_TAG
+    else:
+        parts = [dict(part) for part in final["content"]]
+        text_part = next((part for part in reversed(parts) if "text" in part), None)
+        if text_part is None:
+            raise InvalidRequestError("continue_final_message needs text in the final message to continue")
+        text_part["text"] += CONTINUATION_TAG
+        final["content"] = parts
+    return [*messages[:-1], final]
+
+
+def cut_at_continuation_tag(text: str) -> str:
+    """The rendered chat up to the tag: the final message left open (its trailing spaces kept where the
+    template kept the tag's own, trimmed where it trimmed them), as transformers cuts it."""
+    at = text.rfind(CONTINUATION_TAG.strip())
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not render the final message's "
+                                  "content, so it cannot be continued")
+    return text[:at] if text[at:at + len(CONTINUATION_TAG)] == CONTINUATION_TAG else text[:at].rstrip()
+
+
 def render_chat(
     template: str,
     messages: list[dict[str, Any]],

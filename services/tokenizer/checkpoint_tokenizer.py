@@ -23,8 +23,10 @@ from services.common.token_decoder import TokenDecoder
 from services.tokenizer.chat_template import (
     DEFAULT_TEMPLATE_LIMITS,
     DEFAULT_TEMPLATE_NAME,
+    cut_at_continuation_tag,
     load_chat_templates,
     render_chat,
+    tag_final_message,
 )
 from services.tokenizer.template_budget import TemplateLimits
 from services.tokenizer.transformers_loading import loads_as_llama_tokenizer, rebuild_as_llama_tokenizer
@@ -54,7 +56,8 @@ class CheckpointTokenizer:
     decoder: TokenDecoder  # the backend with the ids incremental detokenization treats apart
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "CheckpointTokenizer":
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> "CheckpointTokenizer":
+        """``chat_template`` (``--chat-template``'s source) replaces the checkpoint's default template."""
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json; --model takes a Hugging Face checkpoint")
@@ -74,7 +77,8 @@ class CheckpointTokenizer:
             bos_token_id=bos_token_id,
             eos_token_ids=eos_token_ids,
             max_model_len=checkpoint_facts.max_model_len(model_dir),
-            chat_templates=load_chat_templates(model_dir, tokenizer_config),
+            chat_templates={**load_chat_templates(model_dir, tokenizer_config),
+                            **({DEFAULT_TEMPLATE_NAME: chat_template} if chat_template else {})},
             decoder=TokenDecoder(
                 backend,
                 special_ids=frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special),
@@ -97,15 +101,21 @@ class CheckpointTokenizer:
         chat_template: str = "",
         template_kwargs: Mapping[str, Any] | None = None,
         limits: TemplateLimits = DEFAULT_TEMPLATE_LIMITS,
+        continue_final_message: bool = False,
     ) -> tuple[list[int], str]:
         """Renders the conversation and encodes it without special tokens, as `apply_chat_template` does.
 
         `chat_template` is a template source or the name of one of the checkpoint's templates;
-        empty means the checkpoint's default. Returns the ids and the rendered text.
+        empty means the checkpoint's default. `continue_final_message` leaves the final message open
+        (`chat_template.tag_final_message`). Returns the ids and the rendered text.
         """
         template = self._pick_template(chat_template)
         variables = {**self.special_tokens, **(template_kwargs or {})}
+        if continue_final_message:
+            messages = tag_final_message(messages)
         text = render_chat(template, messages, add_generation_prompt, variables, limits)
+        if continue_final_message:
+            text = cut_at_continuation_tag(text)
         return self.encode(text, add_special_tokens=False), text
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
@@ -133,7 +143,8 @@ class CheckpointTokenizer:
                 f"{self.model} has several chat templates and none named 'default'; "
                 f"pass one of {sorted(self.chat_templates)} as chat_template"
             )
-        raise InvalidRequestError(f"{self.model} has no chat template; pass one in chat_template")
+        raise InvalidRequestError(f"{self.model} has no chat template: start the server with --chat-template "
+                                  "(a template file, or the template itself), or pass one in chat_template")
 
 
 def _register_special_tokens(backend: Tokenizer, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:

@@ -72,7 +72,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         messages = [_message_dict(message) for message in request.messages]
         ids, text = await self._run(functools.partial(
             self._tokenizer.encode_chat, messages, request.add_generation_prompt, request.chat_template,
-            _template_kwargs(request.template_kwargs_json), limits=self._limits))
+            _template_kwargs(request.template_kwargs_json), limits=self._limits,
+            continue_final_message=request.continue_final_message))
         return tokenizer_pb2.EncodeChatResponse(token_ids=ids, prompt_text=text)
 
     async def Decode(self, request, context) -> tokenizer_pb2.DecodeResponse:

@@ -11,7 +11,16 @@ import openai
 import pytest
 
 from services.common.pb import engine_pb2, engine_pb2_grpc
-from services.launcher import Stack, StackConfig, StartupError, engine_flags, find_free_port, gateway_flags, parse_args
+from services.launcher import (
+    Stack,
+    StackConfig,
+    StartupError,
+    engine_flags,
+    find_free_port,
+    gateway_flags,
+    parse_args,
+    tokenizer_flags,
+)
 
 
 def test_a_service_that_dies_at_startup_is_named_with_its_log(tmp_path):
@@ -53,6 +62,13 @@ def test_gateway_flags_pass_through():
     args = parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--gateway-args", "--max-n 4"])
     assert gateway_flags(args) == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-n", "4"]
     assert gateway_flags(parse_args([])) == []
+    assert gateway_flags(parse_args(["--reasoning-parser", "deepseek_r1"])) == ["--reasoning-parser", "deepseek_r1"]
+
+
+def test_tokenizer_flags_pass_through():
+    args = parse_args(["--chat-template", "t.jinja", "--trust-request-chat-template", "--tokenizer-args", "--workers 2"])
+    assert tokenizer_flags(args) == ["--trust-request-chat-template", "--chat-template", "t.jinja", "--workers", "2"]
+    assert tokenizer_flags(parse_args([])) == []
 
 
 def test_log_flags_for_every_service():

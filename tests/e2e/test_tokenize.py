@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from services.common.pb import tokenizer_pb2
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, decode
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
@@ -32,6 +32,21 @@ def test_a_chats_tokens_are_those_a_chat_completion_counts(http, client):
     assert body["tokens"][:without_turn["count"]] == without_turn["tokens"]
 
 
+def test_a_continued_final_message_is_left_open(http, client, tokenizer):
+    """vLLM's continue_final_message: the assistant turn the client began is continued, not closed."""
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</turn>{% endfor %}"
+    begun = [*MESSAGES, {"role": "assistant", "content": "The colour is"}]
+    fields = {"messages": begun, "chat_template": template, "add_generation_prompt": False}
+    body = http.post("/tokenize", json={**fields, "continue_final_message": True}).json()
+    expected = "<system>Be brief.</turn><user>Name a colour.</turn><assistant>The colour is"
+    assert decode(tokenizer, body["tokens"]) == expected
+    chat = client.chat.completions.create(model=MODEL, messages=begun, max_tokens=1, extra_body={
+        "chat_template": template, "add_generation_prompt": False, "continue_final_message": True})
+    assert chat.usage.prompt_tokens == body["count"]
+    closed = http.post("/tokenize", json=fields).json()
+    assert decode(tokenizer, closed["tokens"]) == expected + "</turn>"
+
+
 def test_token_strs_are_the_vocabularys_strings(http, tokenizer):
     body = http.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False,
                                         "return_token_strs": True}).json()
@@ -48,6 +63,9 @@ def test_token_strs_are_the_vocabularys_strings(http, tokenizer):
     ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),
     ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.[0]"),
     ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+    ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "continue_final_message": True},
+     "continue_final_message"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/detokenize", {"tokens": [1 << 40]}, "tokens"),
     ("/detokenize", {"tokens": [999_999]}, None),  # past the vocabulary: the tokenizer's refusal

@@ -60,6 +60,20 @@ def test_encode_chat_matches_apply_chat_template(hf, strata):
             assert (text, ids) == (expected_text, list(expected["input_ids"])), messages
 
 
+def test_continue_final_message_matches_apply_chat_template(hf, strata):
+    """An assistant turn begun by the client is left open, as transformers cuts it (spacing kept or trimmed)."""
+    for messages in conversations(_special_tokens(hf)[0]):
+        for start in ("The answer is", "  Sure, here:  ", "{\"name\": \"", "é ü"):
+            chat = [*messages, {"role": "assistant", "content": start}]
+            ids, text = strata.encode_chat(chat, False, continue_final_message=True)
+            expected = hf.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+            assert text == expected and start.strip() in text[-len(start) - 8:], chat
+            assert ids == list(hf.apply_chat_template(chat, tokenize=True, continue_final_message=True)["input_ids"])
+    with pytest.raises(InvalidRequestError, match="the chat template does not render the final message"):
+        strata.encode_chat([{"role": "user", "content": "hi"}], False, chat_template="{{ messages | length }}",
+                           continue_final_message=True)
+
+
 def test_request_template_overrides_the_checkpoints(hf, strata):
     template = (  # block tags on their own indented lines: trim_blocks and lstrip_blocks keep them out
         "{% for m in messages %}\n"

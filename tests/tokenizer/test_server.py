@@ -3,6 +3,8 @@
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -133,6 +135,24 @@ def test_chat_without_a_template_is_invalid_argument(templateless_server):
     _assert_invalid(lambda: templateless_server.stub.EncodeChat(request), "has no chat template")
     request.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert templateless_server.stub.EncodeChat(request).prompt_text == "hi"
+
+
+def test_a_server_chat_template_serves_a_checkpoint_without_one(templateless_dir, free_port_factory, tmp_path):
+    """--chat-template takes a file or the template itself (vLLM's flag); one that does not compile stops the start."""
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    request = pb.EncodeChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], add_generation_prompt=True)
+    for value in (str(tmp_path / "chat.jinja"), template):
+        with TokenizerProcess(templateless_dir, free_port_factory(), tmp_path / "tokenizer.log",
+                              extra_args=("--chat-template", value)) as server:
+            server.wait_serving()
+            assert server.stub.Info(pb.TokenizerInfoRequest()).has_chat_template
+            assert server.stub.EncodeChat(request).prompt_text == "<user>hi<a>"
+    for value, message in (("{% for m in messages %}", "does not compile"),
+                           (str(tmp_path / "missing.jinja"), "is neither a file nor a template")):
+        result = subprocess.run([sys.executable, "-m", "services.tokenizer", "--model", str(templateless_dir),
+                                 "--chat-template", value], capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0 and message in result.stderr
 
 
 def test_default_model_without_flag_and_graceful_sigterm(default_model_dir, free_port, tmp_path):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19strata/v1/tokenizer.proto\x12\tstrata.v1\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xa3\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\'\n\ntool_calls\x18\x06 \x03(\x0b\x32\x13.strata.v1.ToolCallB\x07\n\x05_nameB\x0f\n\r_tool_call_idJ\x04\x08\x05\x10\x06\"O\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12)\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x17.strata.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\x91\x01\n\x11\x45ncodeChatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\"<\n\x12\x45ncodeChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13TokenStringsRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x14TokenStringsResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\t\"]\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x03 \x03(\r\"?\n\x12\x44\x65tokenizeResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x15\n\rnum_token_ids\x18\x02 \x01(\x04\"\x10\n\x0e\x44\x65\x63oderRequest\"e\n\x0f\x44\x65\x63oderResponse\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\t\x12\x19\n\x11special_token_ids\x18\x02 \x03(\r\x12\x1f\n\x17\x62yte_fallback_token_ids\x18\x03 \x03(\r\"\x16\n\x14TokenizerInfoRequest\"\xaf\x01\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\tB\x0f\n\r_bos_token_id2\x81\x04\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.strata.v1.EncodeRequest\x1a\x19.strata.v1.EncodeResponse\x12I\n\nEncodeChat\x12\x1c.strata.v1.EncodeChatRequest\x1a\x1d.strata.v1.EncodeChatResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x19.strata.v1.DecodeResponse\x12O\n\x0cTokenStrings\x12\x1e.strata.v1.TokenStringsRequest\x1a\x1f.strata.v1.TokenStringsResponse\x12M\n\nDetokenize\x12\x1c.strata.v1.DetokenizeRequest\x1a\x1d.strata.v1.DetokenizeResponse(\x01\x30\x01\x12@\n\x07\x44\x65\x63oder\x12\x19.strata.v1.DecoderRequest\x1a\x1a.strata.v1.DecoderResponse\x12I\n\x04Info\x12\x1f.strata.v1.TokenizerInfoRequest\x1a .strata.v1.TokenizerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19strata/v1/tokenizer.proto\x12\tstrata.v1\"9\n\rEncodeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xa3\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\'\n\ntool_calls\x18\x06 \x03(\x0b\x32\x13.strata.v1.ToolCallB\x07\n\x05_nameB\x0f\n\r_tool_call_idJ\x04\x08\x05\x10\x06\"O\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12)\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x17.strata.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"\xb1\x01\n\x11\x45ncodeChatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x15\n\rchat_template\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\"<\n\x12\x45ncodeChatResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"(\n\x13TokenStringsRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x14TokenStringsResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\t\"]\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x03 \x03(\r\"?\n\x12\x44\x65tokenizeResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x15\n\rnum_token_ids\x18\x02 \x01(\x04\"\x10\n\x0e\x44\x65\x63oderRequest\"e\n\x0f\x44\x65\x63oderResponse\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\t\x12\x19\n\x11special_token_ids\x18\x02 \x03(\r\x12\x1f\n\x17\x62yte_fallback_token_ids\x18\x03 \x03(\r\"\x16\n\x14TokenizerInfoRequest\"\xaf\x01\n\x15TokenizerInfoResponse\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x15\n\reos_token_ids\x18\x02 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\tB\x0f\n\r_bos_token_id2\x81\x04\n\tTokenizer\x12=\n\x06\x45ncode\x12\x18.strata.v1.EncodeRequest\x1a\x19.strata.v1.EncodeResponse\x12I\n\nEncodeChat\x12\x1c.strata.v1.EncodeChatRequest\x1a\x1d.strata.v1.EncodeChatResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.strata.v1.DecodeRequest\x1a\x19.strata.v1.DecodeResponse\x12O\n\x0cTokenStrings\x12\x1e.strata.v1.TokenStringsRequest\x1a\x1f.strata.v1.TokenStringsResponse\x12M\n\nDetokenize\x12\x1c.strata.v1.DetokenizeRequest\x1a\x1d.strata.v1.DetokenizeResponse(\x01\x30\x01\x12@\n\x07\x44\x65\x63oder\x12\x19.strata.v1.DecoderRequest\x1a\x1a.strata.v1.DecoderResponse\x12I\n\x04Info\x12\x1f.strata.v1.TokenizerInfoRequest\x1a .strata.v1.TokenizerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,29 +43,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FUNCTIONCALL']._serialized_start=383
   _globals['_FUNCTIONCALL']._serialized_end=430
   _globals['_ENCODECHATREQUEST']._serialized_start=433
-  _globals['_ENCODECHATREQUEST']._serialized_end=578
-  _globals['_ENCODECHATRESPONSE']._serialized_start=580
-  _globals['_ENCODECHATRESPONSE']._serialized_end=640
-  _globals['_DECODEREQUEST']._serialized_start=642
-  _globals['_DECODEREQUEST']._serialized_end=705
-  _globals['_DECODERESPONSE']._serialized_start=707
-  _globals['_DECODERESPONSE']._serialized_end=737
-  _globals['_TOKENSTRINGSREQUEST']._serialized_start=739
-  _globals['_TOKENSTRINGSREQUEST']._serialized_end=779
-  _globals['_TOKENSTRINGSRESPONSE']._serialized_start=781
-  _globals['_TOKENSTRINGSRESPONSE']._serialized_end=819
-  _globals['_DETOKENIZEREQUEST']._serialized_start=821
-  _globals['_DETOKENIZEREQUEST']._serialized_end=914
-  _globals['_DETOKENIZERESPONSE']._serialized_start=916
-  _globals['_DETOKENIZERESPONSE']._serialized_end=979
-  _globals['_DECODERREQUEST']._serialized_start=981
-  _globals['_DECODERREQUEST']._serialized_end=997
-  _globals['_DECODERRESPONSE']._serialized_start=999
-  _globals['_DECODERRESPONSE']._serialized_end=1100
-  _globals['_TOKENIZERINFOREQUEST']._serialized_start=1102
-  _globals['_TOKENIZERINFOREQUEST']._serialized_end=1124
-  _globals['_TOKENIZERINFORESPONSE']._serialized_start=1127
-  _globals['_TOKENIZERINFORESPONSE']._serialized_end=1302
-  _globals['_TOKENIZER']._serialized_start=1305
-  _globals['_TOKENIZER']._serialized_end=1818
+  _globals['_ENCODECHATREQUEST']._serialized_end=610
+  _globals['_ENCODECHATRESPONSE']._serialized_start=612
+  _globals['_ENCODECHATRESPONSE']._serialized_end=672
+  _globals['_DECODEREQUEST']._serialized_start=674
+  _globals['_DECODEREQUEST']._serialized_end=737
+  _globals['_DECODERESPONSE']._serialized_start=739
+  _globals['_DECODERESPONSE']._serialized_end=769
+  _globals['_TOKENSTRINGSREQUEST']._serialized_start=771
+  _globals['_TOKENSTRINGSREQUEST']._serialized_end=811
+  _globals['_TOKENSTRINGSRESPONSE']._serialized_start=813
+  _globals['_TOKENSTRINGSRESPONSE']._serialized_end=851
+  _globals['_DETOKENIZEREQUEST']._serialized_start=853
+  _globals['_DETOKENIZEREQUEST']._serialized_end=946
+  _globals['_DETOKENIZERESPONSE']._serialized_start=948
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1011
+  _globals['_DECODERREQUEST']._serialized_start=1013
+  _globals['_DECODERREQUEST']._serialized_end=1029
+  _globals['_DECODERRESPONSE']._serialized_start=1031
+  _globals['_DECODERRESPONSE']._serialized_end=1132
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=1134
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=1156
+  _globals['_TOKENIZERINFORESPONSE']._serialized_start=1159
+  _globals['_TOKENIZERINFORESPONSE']._serialized_end=1334
+  _globals['_TOKENIZER']._serialized_start=1337
+  _globals['_TOKENIZER']._serialized_end=1850
 # @@protoc_insertion_point(module_scope)
