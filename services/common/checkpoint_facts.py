@@ -79,7 +79,13 @@ def max_model_len(model_dir: str | Path) -> int:
 
 
 def _tokenizer_json_lookup(model_dir: Path) -> Callable[[str], int | None]:
-    """token -> id from tokenizer.json's added tokens and vocabulary, without loading a tokenizer."""
+    """token -> id from tokenizer.json's added tokens and vocabulary, without loading a tokenizer (from
+    SentencePiece's tokenizer.model where that is all the checkpoint has)."""
+    if not (model_dir / "tokenizer.json").is_file() and (model_dir / "tokenizer.model").is_file():
+        from services.tokenizer.sentencepiece_model import read_pieces
+
+        pieces = {piece.piece: i for i, piece in enumerate(read_pieces(model_dir / "tokenizer.model").pieces)}
+        return pieces.get
     tokenizer = read_json(model_dir / "tokenizer.json")
     ids = {token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])}
     vocab = (tokenizer.get("model") or {}).get("vocab") or {}

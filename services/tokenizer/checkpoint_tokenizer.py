@@ -28,6 +28,7 @@ from services.tokenizer.chat_template import (
     render_chat,
     tag_final_message,
 )
+from services.tokenizer.sentencepiece_model import add_bos_eos, tokenizer_from_sentencepiece
 from services.tokenizer.template_budget import TemplateLimits
 from services.tokenizer.transformers_loading import loads_as_llama_tokenizer, rebuild_as_llama_tokenizer
 
@@ -39,6 +40,10 @@ NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 # skips the offsets): a 4 MB prompt took 3 s in `encode` with the tokenizer's event loop stalled all
 # along; in `encode_batch_fast`, 1.4 s with the longest stall 35 ms. Same ids.
 _LONG_TEXT = 16_384
+
+
+# LlamaTokenizer's own special tokens, for a config that names none (its SentencePiece pieces)
+LLAMA_TOKENIZER_DEFAULTS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 @dataclass(frozen=True)
@@ -59,14 +64,26 @@ class CheckpointTokenizer:
     def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> "CheckpointTokenizer":
         """``chat_template`` (``--chat-template``'s source) replaces the checkpoint's default template."""
         model_dir = Path(model_dir)
-        if not (model_dir / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json; --model takes a Hugging Face checkpoint")
         tokenizer_config = checkpoint_facts.tokenizer_config(model_dir)
-        tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
-        backend = Tokenizer.from_str(tokenizer_json)
-        if loads_as_llama_tokenizer(tokenizer_json, tokenizer_config, checkpoint_facts.read_json(model_dir / "config.json")):
+        model_config = checkpoint_facts.read_json(model_dir / "config.json")
+        from_sentencepiece = False
+        if (model_dir / "tokenizer.json").is_file():
+            tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+            backend = Tokenizer.from_str(tokenizer_json)
+            if loads_as_llama_tokenizer(tokenizer_json, tokenizer_config, model_config):
+                rebuild_as_llama_tokenizer(backend, tokenizer_config)
+        elif (model_dir / "tokenizer.model").is_file() and loads_as_llama_tokenizer("", tokenizer_config, model_config):
+            from_sentencepiece = True
+            tokenizer_config = {**LLAMA_TOKENIZER_DEFAULTS, **tokenizer_config}
+            backend = tokenizer_from_sentencepiece(model_dir / "tokenizer.model", tokenizer_config)
+            _add_config_tokens(backend, tokenizer_config)
             rebuild_as_llama_tokenizer(backend, tokenizer_config)
+        else:
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json (nor a SentencePiece tokenizer.model that "
+                                    f"declares LlamaTokenizer); --model takes a Hugging Face checkpoint")
         special_tokens = _register_special_tokens(backend, tokenizer_config)
+        if from_sentencepiece:
+            add_bos_eos(backend, tokenizer_config, special_tokens.get("bos_token"), special_tokens.get("eos_token"))
         bos_token_id = _token_id(backend, special_tokens.get("bos_token"))
         eos_token_ids = checkpoint_facts.eos_token_ids(model_dir, backend.token_to_id)
         return cls(
@@ -145,6 +162,20 @@ class CheckpointTokenizer:
             )
         raise InvalidRequestError(f"{self.model} has no chat template: start the server with --chat-template "
                                   "(a template file, or the template itself), or pass one in chat_template")
+
+
+def _add_config_tokens(backend: Tokenizer, tokenizer_config: Mapping[str, Any]) -> None:
+    """tokenizer_config.json's ``added_tokens_decoder`` (by id, with their flags), as transformers adds
+    them to a tokenizer it built itself; those the vocabulary has keep their ids."""
+    entries = sorted((tokenizer_config.get("added_tokens_decoder") or {}).items(), key=lambda item: int(item[0]))
+    for _, entry in entries:
+        token = AddedToken(entry["content"], single_word=entry.get("single_word", False),
+                           lstrip=entry.get("lstrip", False), rstrip=entry.get("rstrip", False),
+                           normalized=entry.get("normalized", False), special=entry.get("special", False))
+        if entry.get("special", False):
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
 
 
 def _register_special_tokens(backend: Tokenizer, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:

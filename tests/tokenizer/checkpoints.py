@@ -99,6 +99,7 @@ def write_llama3_style_checkpoint(directory: Path, *, with_chat_template: bool =
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 SENTENCEPIECE_VOCAB_SIZE = 1000
+SENTENCEPIECE_MODEL_VOCAB_SIZE = 3000  # the sentencepiece-trained one: merges enough for their order to matter
 SENTENCEPIECE_ALPHABET_LIMIT = 90  # the most frequent characters; the rest of the corpus is byte fallback
 BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 LLAMA2_CHAT_TEMPLATE = (  # as meta-llama/Llama-2-7b-chat-hf ships it
@@ -174,3 +175,39 @@ def _added_token_dict(content: str) -> dict:
 
 def _write_json(path: Path, content: dict) -> None:
     path.write_text(json.dumps(content, indent=2), encoding="utf-8")
+
+
+def write_sentencepiece_model_checkpoint(directory: Path, legacy: bool = False, add_eos_token: bool = False) -> Path:
+    """A checkpoint with only SentencePiece's tokenizer.model (no tokenizer.json), as Vicuna, Yi and many
+    Llama-2 fine-tunes publish theirs: a BPE trained by sentencepiece as Llama-2's was (byte fallback,
+    digits split, identity normalization, a dummy prefix), a user-defined piece and a control piece,
+    a tokenizer_config.json of class LlamaTokenizer with a pad token the model has not (added by
+    added_tokens_decoder), and the Llama-2 chat template."""
+    import sentencepiece
+
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [line for line in CORPUS_PATH.read_text(encoding="utf-8").splitlines() if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(directory / "tokenizer"), model_type="bpe",
+        vocab_size=SENTENCEPIECE_MODEL_VOCAB_SIZE, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, user_defined_symbols=["<custom>"], control_symbols=["<ctrl>"],
+        character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (directory / "tokenizer.vocab").unlink()
+    pad_id = SENTENCEPIECE_MODEL_VOCAB_SIZE
+    _write_json(directory / "tokenizer_config.json", {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": True,
+        "add_eos_token": add_eos_token,
+        "legacy": legacy,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "added_tokens_decoder": {
+            "0": {**_added_token_dict(UNK), "special": True}, "1": {**_added_token_dict(BOS), "special": True},
+            "2": {**_added_token_dict(EOS), "special": True},
+            str(pad_id): {**_added_token_dict("<pad>"), "special": True}},
+        "clean_up_tokenization_spaces": False,
+        "chat_template": LLAMA2_CHAT_TEMPLATE,
+    })
+    _write_json(directory / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})
+    _write_json(directory / "config.json", {"model_type": "llama", "max_position_embeddings": MODEL_MAX_LENGTH})
+    return directory

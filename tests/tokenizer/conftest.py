@@ -3,7 +3,11 @@ import pytest
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 from tests.processes import TokenizerProcess
 
-from .checkpoints import write_llama3_style_checkpoint, write_sentencepiece_style_checkpoint
+from .checkpoints import (
+    write_llama3_style_checkpoint,
+    write_sentencepiece_model_checkpoint,
+    write_sentencepiece_style_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
@@ -21,13 +25,19 @@ def sentencepiece_style_dir(tmp_path_factory):
     return write_sentencepiece_style_checkpoint(tmp_path_factory.mktemp("sentencepiece-style"))
 
 
+@pytest.fixture(scope="session")
+def sentencepiece_model_dir(tmp_path_factory):
+    return write_sentencepiece_model_checkpoint(tmp_path_factory.mktemp("sentencepiece-model"))
+
+
 PARITY_CHECKPOINTS = {"default": "default_model_dir", "llama3_style": "llama3_style_dir",
-                      "sentencepiece_style": "sentencepiece_style_dir"}
+                      "sentencepiece_style": "sentencepiece_style_dir", "sentencepiece_model": "sentencepiece_model_dir"}
 
 
 @pytest.fixture(scope="session", params=list(PARITY_CHECKPOINTS.values()), ids=list(PARITY_CHECKPOINTS))
 def checkpoint_dir(request):
-    """Each parity checkpoint in turn: the built-in model, the Llama-3-style and the Llama-2-style tokenizer."""
+    """Each parity checkpoint in turn: the built-in model, the Llama-3-style and the Llama-2-style tokenizer,
+    and a Llama-2-style one published as SentencePiece's tokenizer.model alone."""
     return request.getfixturevalue(request.param)
 
 

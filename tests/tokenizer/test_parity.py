@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from services.common.errors import InvalidRequestError
+from services.default_model.model import CORPUS_PATH
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
 
 from . import checkpoints
@@ -170,3 +171,26 @@ def test_llama_tokenizer_variants_match_transformers(request, tmp_path, variant)
     for skip_special_tokens in (False, True):
         assert not _mismatches(id_lists, lambda ids: strata.decode(list(ids), skip_special_tokens),
                                lambda ids: hf.decode(list(ids), skip_special_tokens=skip_special_tokens))[:5]
+
+
+@pytest.mark.parametrize("legacy, add_eos_token", [(True, False), (False, True)])
+def test_sentencepiece_model_variants_match_transformers(tmp_path, legacy, add_eos_token):
+    """legacy (a dummy prefix after each special token too) and add_eos_token, read as LlamaTokenizer reads them."""
+    from transformers import AutoTokenizer
+
+    path = checkpoints.write_sentencepiece_model_checkpoint(tmp_path, legacy=legacy, add_eos_token=add_eos_token)
+    hf, strata = AutoTokenizer.from_pretrained(str(path)), CheckpointTokenizer.from_dir(path)
+    texts = parity_texts(_special_tokens(hf), num_random=60)
+    assert not _mismatches(texts, lambda text: strata.encode(text, True), lambda text: hf.encode(text))[:5]
+    assert strata.encode("x", True)[-1] == 2 if add_eos_token else strata.encode("x", True)[-1] != 2
+
+
+def test_a_sentencepiece_unigram_model_is_refused_by_name(tmp_path):
+    import sentencepiece
+
+    path = checkpoints.write_sentencepiece_model_checkpoint(tmp_path)
+    lines = [line for line in CORPUS_PATH.read_text(encoding="utf-8").splitlines() if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(path / "tokenizer"),
+                                             model_type="unigram", vocab_size=1200, minloglevel=2)
+    with pytest.raises(ValueError, match="SentencePiece Unigram model; only BPE"):
+        CheckpointTokenizer.from_dir(path)
