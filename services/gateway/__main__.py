@@ -13,7 +13,7 @@ from services.common.tls import add_tls_args, tls_from_args
 from services.gateway.access_log import quiet_probes
 from services.gateway.app import MAX_BODY_BYTES_LIMIT, GatewayConfig, create_app
 from services.gateway.reasoning import REASONING_PARSERS
-from services.gateway.tools import TOOL_CALL_PARSERS
+from services.gateway.tool_parsers import TOOL_CALL_PARSERS
 from services.gateway.validation import Limits
 
 
@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="the model's tool-call format (hermes: Hermes 2 Pro, Qwen2.5, Qwen3) (default: none)")
+                        help="the model's tool-call format (hermes: Hermes 2 Pro, Qwen2.5, Qwen3; llama3_json: Llama 3.1, "
+                             "3.2; mistral: Mistral 7B Instruct v0.3 and later) (default: none)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="the model thinks before it answers; its thinking goes to chat messages' reasoning "
                              "(deepseek_r1: <think>...</think>, DeepSeek-R1 and its distills, QwQ) (default: none)")

@@ -26,7 +26,7 @@ from services.gateway.middleware import (
 )
 from services.gateway.reasoning import REASONING_PARSERS, ReasoningParser
 from services.gateway.serving import GatewayState, gateway_state
-from services.gateway.tools import TOOL_CALL_PARSERS
+from services.gateway.tool_parsers import TOOL_CALL_PARSERS
 from services.gateway.upstream import MAX_MESSAGE_BYTES, Upstream
 from services.gateway.validation import Limits, ModelFacts, check_model
 

@@ -17,7 +17,8 @@ from services.gateway.reasoning import ReasoningStream, ReasoningTags, split_rea
 from services.gateway.request_body import JsonBodyRoute
 from services.gateway.serving import ChoiceRenderer, ChoiceResult, RequestContext, gateway_state, serve
 from services.gateway.structured_output import only_one
-from services.gateway.tools import ToolCallStream, parse_tool_calls, validate_tools
+from services.gateway.tool_parsers import ToolCallStream, parse_tool_calls, tool_call_stream
+from services.gateway.tools import validate_tools
 from services.gateway.upstream import Upstream
 from services.gateway.validation import validate_chat
 
@@ -29,7 +30,7 @@ class ChatRenderer(ChoiceRenderer):
     response_object = "chat.completion"
     operation_name = "chat"
 
-    def __init__(self, upstream: Upstream, with_logprobs: bool, parses_tool_calls: bool = False,
+    def __init__(self, upstream: Upstream, with_logprobs: bool, tool_parser: str | None = None,
                  forced_tool_calls: ForcedToolCalls | None = None, num_prompt_logprobs: int | None = None,
                  reasoning: ReasoningTags | None = None, include_reasoning: bool = True) -> None:
         """``num_prompt_logprobs``: the response carries vLLM's ``prompt_logprobs`` with this many alternatives.
@@ -38,7 +39,7 @@ class ChatRenderer(ChoiceRenderer):
         self._upstream = upstream
         self._num_prompt_logprobs = num_prompt_logprobs
         self._with_logprobs = with_logprobs
-        self._parses_tool_calls = parses_tool_calls
+        self._tool_parser = tool_parser  # reads tool calls out of the answer (tool_parsers); None: none
         self._tool_streams: dict[int, ToolCallStream] = {}  # by choice index
         self._forced = forced_tool_calls
         self._reasoning = reasoning
@@ -89,11 +90,12 @@ class ChatRenderer(ChoiceRenderer):
     def _content_delta(self, step: Step, has_logprobs: bool) -> tuple[dict, str | None]:
         """The text as content, less any tool calls the auto tool parser reads out of it."""
         text, tool_calls, finish_reason = step.text, [], step.finish_reason
-        if self._parses_tool_calls:
-            stream = self._tool_streams.setdefault(step.index, ToolCallStream())
+        if self._tool_parser is not None:
+            stream = self._tool_streams.setdefault(step.index, tool_call_stream(self._tool_parser))
             text, tool_calls = stream.feed(step.text)
             if finish_reason is not None:
-                text += stream.finish()
+                rest, last_calls = stream.finish()
+                text, tool_calls = text + rest, tool_calls + last_calls
                 finish_reason = _with_tool_calls(finish_reason, stream.num_calls)
         delta = {"content": text} if text or has_logprobs else {}
         if tool_calls:
@@ -108,8 +110,8 @@ class ChatRenderer(ChoiceRenderer):
         finish_reason = result.finish_reason
         if self._forced is not None:
             message, finish_reason = self._forced.message(text or "", finish_reason)
-        elif self._parses_tool_calls:
-            content, calls = parse_tool_calls(text or "")
+        elif self._tool_parser is not None:
+            content, calls = parse_tool_calls(text or "", self._tool_parser)
             message = {"role": "assistant", "content": content,
                        "tool_calls": [{k: v for k, v in call.items() if k != "index"} for call in calls]}
             finish_reason = _with_tool_calls(finish_reason, len(calls))
@@ -179,7 +181,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     template_kwargs = {**({"tools": tool_use.tools} if tool_use.tools else {}), **(body.chat_template_kwargs or {})}
     prompt = await state.upstream.encode_chat(messages, body.add_generation_prompt,
                                               body.chat_template, template_kwargs, body.continue_final_message)
-    renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parses_calls,
+    if tool_use.keeps_special_tokens:
+        params.skip_special_tokens = False
+    renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parser,
                             ForcedToolCalls(forced.function_name) if forced else None, body.prompt_logprobs,
                             state.reasoning.tags if state.reasoning else None, body.include_reasoning)
     return await serve(request, state, facts, ctx, params, [prompt], renderer)

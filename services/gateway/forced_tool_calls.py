@@ -14,7 +14,7 @@ Either way the message's ``content`` is null.
 import json
 from typing import Any
 
-from services.gateway.tools import new_tool_call_id
+from services.gateway.tool_parsers import new_tool_call_id
 
 _DECODER = json.JSONDecoder()
 

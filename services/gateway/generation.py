@@ -99,8 +99,8 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
             if output is None:
                 raise errors.OpenAIError("engine ended the stream without a finish reason", 502)
             num_tokens += len(output.token_ids)
-            text = detokenizer.step(output.token_ids)
             finish = _FINISH_REASONS.get(output.finish_reason)
+            text = detokenizer.step(_rendered_ids(output, finish, params, eos_token_ids))
             if finish is not None:
                 text += detokenizer.flush()
             match = matcher.feed(text, can_stop=num_tokens >= params.min_tokens)
@@ -125,6 +125,17 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
             yield step
     finally:
         generate.cancel()
+
+
+def _rendered_ids(output, finish: str | None, params: GenerationParams, eos_token_ids: frozenset[int]) -> list[int]:
+    """The output's ids whose text the answer shows: not the EOS or stop token that ended it (whose text
+    a client sees only with include_stop_str_in_output, or as nothing when special tokens are skipped),
+    as vLLM renders it."""
+    ids = list(output.token_ids)
+    if finish == "stop" and ids and not params.include_stop_str_in_output \
+            and (output.HasField("stop_token_id") or ids[-1] in eos_token_ids):
+        return ids[:-1]
+    return ids
 
 
 class FanOut:

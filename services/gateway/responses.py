@@ -301,7 +301,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         params.constraint = await state.reasoning.constraint_after_thinking(state.upstream, params.constraint)
     prompt = await state.upstream.encode_chat(await messages_proto(chat.messages), True, None,
                                               {"tools": tool_use.tools} if tool_use.tools else {})
-    renderer = ChatRenderer(state.upstream, False, tool_use.parses_calls,
+    if tool_use.keeps_special_tokens:
+        params.skip_special_tokens = False
+    renderer = ChatRenderer(state.upstream, False, tool_use.parser,
                             ForcedToolCalls(forced.function_name) if forced else None,
                             reasoning=state.reasoning.tags if state.reasoning else None)
     return await serve(request, state, facts, ctx, params, [prompt], ResponsesRenderer(body, renderer))

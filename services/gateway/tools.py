@@ -12,21 +12,17 @@ object, each one of the tools with its parameters schema; a named function const
 that function's parameters schema, the output being its arguments. ``forced_tool_calls.py`` reads the
 output back as tool calls.
 
-Parsers:
-  hermes  Hermes 2 Pro, Qwen2.5, Qwen3: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+The parsers, one per model format, are ``tool_parsers/``.
 """
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway import errors
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.structured_output import Constraint, json_schema
-
-TOOL_CALL_PARSERS = ("hermes",)
-_START, _END = "<tool_call>", "</tool_call>"
+from services.gateway.tool_parsers import PARSERS
 
 
 @dataclass(frozen=True)
@@ -40,8 +36,13 @@ class ForcedToolChoice:
 class ToolUse:
     """What one chat request does with tools."""
     tools: list[dict[str, Any]] | None  # for the chat template
-    parses_calls: bool  # read tool calls out of the generated text
+    parser: str | None  # the parser that reads tool calls out of the generated text; None: none are read
     forced: ForcedToolChoice | None = None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The parser's markers are special tokens: the answer is decoded with them (as vLLM does)."""
+        return self.parser is not None and PARSERS[self.parser].needs_special_tokens
 
 
 def check_tool_definitions(tools: list[dict[str, Any]] | None) -> None:
@@ -64,22 +65,22 @@ def validate_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> 
     check_tool_definitions(req.tools)
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     if choice == "none":
-        return ToolUse(req.tools, parses_calls=False)
+        return ToolUse(req.tools, parser=None)
     if choice == "auto":
         if tool_call_parser is None:
             raise errors.bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
                                      '--tool-call-parser to be set', param="tool_choice")
-        return ToolUse(req.tools, parses_calls=True)
+        return ToolUse(req.tools, parser=tool_call_parser)
     if choice == "required":
         schema = _required_schema(req.tools, max_calls=1 if req.parallel_tool_calls is False else None)
-        return ToolUse(req.tools, False, ForcedToolChoice(None, json_schema(schema, "tool_choice")))
+        return ToolUse(req.tools, None, ForcedToolChoice(None, json_schema(schema, "tool_choice")))
     name = _named_function(choice)
     functions = {tool["function"]["name"]: tool["function"] for tool in req.tools}
     if name not in functions:
         raise errors.bad_request(f"Tool '{name}' has not been passed in `tools`; tool_choice names one of: "
                                  f"{', '.join(functions)}.", param="tool_choice")
     schema = _parameters(functions[name])
-    return ToolUse(req.tools, False, ForcedToolChoice(name, json_schema(schema, "tool_choice")))
+    return ToolUse(req.tools, None, ForcedToolChoice(name, json_schema(schema, "tool_choice")))
 
 
 def _named_function(choice: str | dict[str, Any]) -> str:
@@ -114,83 +115,3 @@ def _required_schema(tools: list[dict[str, Any]], max_calls: int | None) -> dict
     if max_calls is not None:
         schema["maxItems"] = max_calls
     return {**schema, **{key: value for key, value in defs.items() if value}}
-
-
-def new_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A finished choice's text → (content, tool calls). Content is None when only whitespace surrounds
-    the calls; a tagged body that is not a call, or an unfinished one, stays text."""
-    stream = ToolCallStream()
-    content, calls = stream.feed(text)
-    content += stream.finish()
-    return (None if calls and not content.strip() else content), calls
-
-
-class ToolCallStream:
-    """Splits a choice's streamed text into content deltas and finished tool calls (each call sent whole,
-    in one delta, with its ``index``). Text that may be the start of a ``<tool_call>`` tag, and the body of
-    an open call, are held until they are decided; whitespace after the first call is dropped."""
-
-    def __init__(self) -> None:
-        self._held = ""
-        self._in_call = False
-        self.num_calls = 0
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self._held += text
-        content, calls = [], []
-        while True:
-            if not self._in_call:
-                start = self._held.find(_START)
-                if start < 0:
-                    cut = len(self._held) - _partial_tag_length(self._held)
-                    content.append(self._text(self._held[:cut]))
-                    self._held = self._held[cut:]
-                    break
-                content.append(self._text(self._held[:start]))
-                self._held, self._in_call = self._held[start + len(_START):], True
-            else:
-                end = self._held.find(_END)
-                if end < 0:
-                    break
-                body, self._held, self._in_call = self._held[:end], self._held[end + len(_END):], False
-                call = _tool_call(body, self.num_calls)
-                if call is None:
-                    content.append(_START + body + _END)
-                else:
-                    calls.append(call)
-                    self.num_calls += 1
-        return "".join(content), calls
-
-    def finish(self) -> str:
-        """What is still held (a partial tag, an unfinished call), as text."""
-        rest = (_START if self._in_call else "") + self._held
-        self._held, self._in_call = "", False
-        return self._text(rest)
-
-    def _text(self, text: str) -> str:
-        return "" if self.num_calls and not text.strip() else text
-
-
-def _partial_tag_length(text: str) -> int:
-    """The length of the longest end of ``text`` that a ``<tool_call>`` tag could continue."""
-    for length in range(min(len(text), len(_START) - 1), 0, -1):
-        if _START.startswith(text[-length:]):
-            return length
-    return 0
-
-
-def _tool_call(body: str, index: int) -> dict[str, Any] | None:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", {})
-    return {"index": index, "id": new_tool_call_id(), "type": "function",
-            "function": {"name": call["name"],
-                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}}

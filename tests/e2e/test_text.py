@@ -59,6 +59,28 @@ def test_chat_stop_string_and_include_stop_str(client):
     assert kept.finish_reason == "stop"
 
 
+def test_the_token_that_stopped_a_choice_is_not_in_its_text(client, tokenizer):
+    """As vLLM renders it: the EOS or stop token that ends a choice adds no text (even with special tokens
+    kept), unless include_stop_str_in_output; its token still counts."""
+    eos = encode(tokenizer, "<|im_end|>")
+    assert len(eos) == 1
+    for stream in (False, True):
+        for include, expected in ((False, ""), (True, "<|im_end|>")):
+            response = client.completions.create(
+                model=MODEL, prompt=PROMPT, temperature=0, max_tokens=5, logit_bias={str(eos[0]): 100},
+                stream=stream, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": include})
+            choices = [c.choices[0] for c in response] if stream else response.choices
+            assert "".join(c.text for c in choices) == expected and choices[-1].finish_reason == "stop"
+    tokens = greedy(client, logprobs=0).choices[0].logprobs.tokens
+    # a token of the free run that is one vocabulary entry (its text encodes to it alone), first at k
+    k, stop_id = next((k, ids[0]) for k, token in enumerate(tokens[2:], 2)
+                      if len(ids := encode(tokenizer, token)) == 1 and token not in tokens[:k])
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=24, logprobs=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra.get("stop_reason") == stop_id
+    assert cut.text == "".join(tokens[:k]) and len(cut.logprobs.tokens) == k + 1
+
+
 def test_multibyte_text_arrives_intact(client, engine, tokenizer):
     """The greedy output for prompts full of emoji and CJK is streamed delta by delta; joined, the
     deltas must equal the tokenizer's decode of the engine's own ids for the same prompt."""

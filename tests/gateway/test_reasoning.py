@@ -75,7 +75,7 @@ def test_the_message_carries_reasoning_under_both_names():
 def test_tool_calls_are_read_from_the_answer_only():
     thought = 'maybe <tool_call>{"name": "no", "arguments": {}}</tool_call>?'
     call = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
-    choice = chat_renderer(parses_tool_calls=True).full_choice(
+    choice = chat_renderer(tool_parser="hermes").full_choice(
         ChoiceResult(0, f"{thought}</think>{call}", finish_reason="stop"))
     message = choice["message"]
     assert message["reasoning"] == thought and not message["content"]

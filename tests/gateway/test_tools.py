@@ -13,7 +13,8 @@ from services.gateway.errors import OpenAIError
 from services.gateway.generation import Step
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.serving import ChoiceResult
-from services.gateway.tools import ToolCallStream, parse_tool_calls, validate_tools
+from services.gateway.tool_parsers import parse_tool_calls, tool_call_stream
+from services.gateway.tools import validate_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -53,17 +54,18 @@ def test_a_stream_cut_anywhere_gives_what_the_whole_text_gives(text):
     whole_content, whole_calls = parse_tool_calls(text)
     for cut in range(len(text) + 1):
         for pieces in ([text[:cut], text[cut:]], list(text)):
-            stream, content, calls = ToolCallStream(), "", []
+            stream, content, calls = tool_call_stream("hermes"), "", []
             for piece in pieces:
                 delta, new_calls = stream.feed(piece)
                 content, calls = content + delta, calls + new_calls
-            content += stream.finish()
+            rest, last = stream.finish()
+            content, calls = content + rest, calls + last
             assert (content or None if calls else content) == whole_content, (cut, pieces)
             assert names_and_arguments(calls) == names_and_arguments(whole_calls)
 
 
 def test_streamed_chunks_and_response_are_what_the_openai_client_reads():
-    renderer = ChatRenderer(upstream=None, with_logprobs=False, parses_tool_calls=True)
+    renderer = ChatRenderer(upstream=None, with_logprobs=False, tool_parser="hermes")
     pieces = ["Let me", " check.\n<tool", '_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
               "\n</tool_call>", ""]
     chunks = []
@@ -89,7 +91,7 @@ def test_streamed_chunks_and_response_are_what_the_openai_client_reads():
 
 
 def test_a_choice_cut_by_length_keeps_its_finish_reason():
-    renderer = ChatRenderer(upstream=None, with_logprobs=False, parses_tool_calls=True)
+    renderer = ChatRenderer(upstream=None, with_logprobs=False, tool_parser="hermes")
     full = renderer.full_choice(ChoiceResult(index=0, text=TWO_CALLS, finish_reason="length"))
     assert full["finish_reason"] == "length" and len(full["message"]["tool_calls"]) == 2
 
@@ -117,7 +119,7 @@ def test_tool_rules_give_400(fields, parser, message):
 
 def test_tool_use_when_allowed():
     auto = tool_use(tools=[WEATHER])  # no tool_choice with tools: "auto"
-    assert auto.tools == [WEATHER] and auto.parses_calls
+    assert auto.tools == [WEATHER] and auto.parser == "hermes"
     none = tool_use(None, tools=[WEATHER], tool_choice="none")  # the template still sees the tools
-    assert none.tools == [WEATHER] and not none.parses_calls
-    assert tool_use(None) == tool_use("hermes") and not tool_use(None).parses_calls
+    assert none.tools == [WEATHER] and none.parser is None
+    assert tool_use(None) == tool_use("hermes") and tool_use(None).parser is None
