@@ -127,11 +127,11 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
         generate.cancel()
 
 
-def _rendered_ids(output, finish: str | None, params: GenerationParams, eos_token_ids: frozenset[int]) -> list[int]:
+def _rendered_ids(output, finish: str | None, params: GenerationParams, eos_token_ids: frozenset[int]):
     """The output's ids whose text the answer shows: not the EOS or stop token that ended it (whose text
     a client sees only with include_stop_str_in_output, or as nothing when special tokens are skipped),
     as vLLM renders it."""
-    ids = list(output.token_ids)
+    ids = output.token_ids
     if finish == "stop" and ids and not params.include_stop_str_in_output \
             and (output.HasField("stop_token_id") or ids[-1] in eos_token_ids):
         return ids[:-1]
