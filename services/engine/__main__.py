@@ -6,7 +6,7 @@ import logging
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
-from services.engine.engine_args import add_engine_args, config_from_args
+from services.engine.engine_args import add_engine_args, config_from_args, with_local_model
 from services.engine.threads import use_openmp_wait_policy
 
 log = logging.getLogger("services.engine")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     tls = tls_from_args(args, parser)
     use_openmp_wait_policy()  # before the server's imports load torch
     setup_logging(args.log_level, args.log_format, service="strata-engine", instance=args.replica_id)
-    config = config_from_args(args)
+    config = with_local_model(config_from_args(args))
     if args.load_report_interval <= 0 or args.log_stats_interval <= 0:
         raise SystemExit("strata engine: --load-report-interval and --log-stats-interval must be > 0")
     if not 0 < args.trace_steps_sample <= 1:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.engine.server import run_server
 
     try:
-        run_server(config, args.host, args.port, args.served_model_name or config.model,
+        run_server(config, args.host, args.port, args.served_model_name or args.model or config.model,
                    args.shutdown_timeout, args.metrics_port, args.nats_url, args.load_report_interval,
                    args.advertise_address, tls, None if args.disable_log_stats else args.log_stats_interval,
                    args.trace_steps_sample if args.trace_steps and traced else None)

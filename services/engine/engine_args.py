@@ -5,7 +5,7 @@ default and help), named like `vllm serve`'s flags where the meaning is the same
 import argparse
 import types
 import typing
-from dataclasses import MISSING, Field, fields
+from dataclasses import MISSING, Field, fields, replace
 
 from services.engine.config import EngineConfig
 
@@ -65,3 +65,14 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(**{**values, "model": model_dir_from_args(args)})
     except ValueError as exc:
         raise SystemExit(f"strata: {exc}")
+
+
+def with_local_model(config: EngineConfig) -> EngineConfig:
+    """``config`` with its model a local directory: a Hugging Face Hub id becomes its snapshot in the
+    cache, fetched there first where it is not (`model_source`); SystemExit saying what to do otherwise."""
+    from services.common.model_source import resolve_model_dir
+
+    try:
+        return replace(config, model=resolve_model_dir(config.model))
+    except ValueError as error:
+        raise SystemExit(f"strata: {error}") from None

@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from services.engine.engine_args import add_engine_args, config_from_args
+from services.engine.engine_args import add_engine_args, config_from_args, with_local_model
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 from services.tokenizer.checkpoint_tokenizer import CheckpointTokenizer
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = config_from_args(args)
+    config = with_local_model(config_from_args(args))
     tokenizer = CheckpointTokenizer.from_dir(config.model)
     if args.chat:
         prompts = [tokenizer.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True)[0]

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from services.common.logging_setup import LOG_FORMATS, LOG_LEVELS
+from services.common.model_source import resolve_model_dir
 from services.common.supervisor import CrashLoopError
 from services.engine.engine_args import add_engine_passthrough_args
 from services.launcher.config import StackConfig
@@ -136,8 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("strata up: --replicas must be >= 1")
     if args.autoscale and not 1 <= args.min_replicas <= args.max_replicas:
         raise SystemExit("strata up: --autoscale needs 1 <= --min-replicas <= --max-replicas")
-    config = StackConfig(model=args.model, host=args.host, port=args.port,
-                         served_model_name=args.served_model_name, api_key=args.api_key,
+    model_dir = args.model
+    if args.model is not None:
+        try:
+            model_dir = resolve_model_dir(args.model)  # a Hub id: its snapshot, found or fetched once here
+        except ValueError as error:
+            raise SystemExit(f"strata up: {error}") from None
+    served_model_name = args.served_model_name or (args.model if model_dir != args.model else None)
+    config = StackConfig(model=model_dir, host=args.host, port=args.port,
+                         served_model_name=served_model_name, api_key=args.api_key,
                          engine_args=engine_flags(args), gateway_args=gateway_flags(args),
                          router_args=shlex.split(args.router_args),
                          tokenizer_args=tokenizer_flags(args),

@@ -6,6 +6,7 @@ import uvloop
 
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.metrics_http import start_metrics_server
+from services.common.model_source import resolve_model_dir
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.default_model.model import ensure_default_model
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_tracing("strata-tokenizer")
     try:
         chat_template = server_chat_template(args.chat_template) if args.chat_template else None
-        tokenizer = CheckpointTokenizer.from_dir(args.model or ensure_default_model(), chat_template)
+        model_dir = resolve_model_dir(args.model) if args.model else ensure_default_model()
+        tokenizer = CheckpointTokenizer.from_dir(model_dir, chat_template)
     except (ValueError, FileNotFoundError) as error:  # the checkpoint's: its message says which file
         raise SystemExit(f"strata tokenizer: {error}") from None
     servicer = TokenizerServicer(tokenizer, args.trust_request_chat_template, args.workers, limits)

@@ -1,12 +1,16 @@
 """`strata up` machinery: a service that dies during startup is named with the tail of its log,
 and nothing is left running."""
 
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -134,3 +138,39 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice():
     assert len(set(ports)) == len(ports)
     if ephemeral_start - 20_000 >= 1000:
         assert all(20_000 <= port < ephemeral_start for port in ports), ports
+
+
+def test_a_hugging_face_hub_id_is_served_from_the_cache_under_its_id(default_model_dir, tmp_path):
+    """`strata up --model org/name`, as vLLM takes a Hub id: found in the Hugging Face cache (offline
+    here), served under the id."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--strata-test--tiny"
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    for file in default_model_dir.iterdir():
+        shutil.copy(file, repo / "snapshots" / revision / file.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    port = find_free_port()
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", "strata-test/tiny", "--port",
+                           str(port), "--engine-args=--enforce-eager", "--log-dir", str(tmp_path / "logs")],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        models = None
+        deadline = time.monotonic() + 120
+        while models is None and time.monotonic() < deadline and up.poll() is None:
+            try:
+                response = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                models = response.json() if response.status_code == 200 else None
+            except httpx.HTTPError:
+                pass
+            if models is None:
+                time.sleep(0.5)
+        assert models is not None, up.stdout.read() if up.poll() is not None else "not serving in 120 s"
+        assert [m["id"] for m in models["data"]] == ["strata-test/tiny"]
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+    missing = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "strata-test/absent"],
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "not in the Hugging Face cache" in missing.stderr
