@@ -24,8 +24,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     parser.add_argument("--tokenizer-addr", required=True, help="host:port of the tokenizer service")
     parser.add_argument("--engine-addr", required=True, help="host:port of an engine or the router")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: the engine's model)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name clients send, or several: any is accepted, the first is the one "
+                             "/v1/models lists first and answers carry by default (default: the engine's model)")
     parser.add_argument("--api-key-file", type=Path,
                         help="read the API key from this file (a mounted secret); not echoed anywhere")
     parser.add_argument("--shutdown-timeout", type=float, default=60.0,
@@ -86,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = GatewayConfig(
             tokenizer_addr=args.tokenizer_addr, engine_addr=args.engine_addr,
-            served_model_name=args.served_model_name, api_key=args.api_key,
+            served_model_name=args.served_model_name[0] if args.served_model_name else None,
+            served_model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
+            api_key=args.api_key,
             limits=Limits(max_n=args.max_n, max_stop_strings=args.max_stop_strings,
                           max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
                           max_sequences_per_request=args.max_sequences_per_request),

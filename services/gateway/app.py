@@ -41,6 +41,7 @@ class GatewayConfig:
     tokenizer_addr: str
     engine_addr: str
     served_model_name: str | None = None
+    served_model_aliases: tuple[str, ...] = ()  # more names clients may send (--served-model-name's others)
     api_key: str | None = None
     limits: Limits = Limits()
     rpc_timeout_s: float = 30.0
@@ -90,7 +91,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         upstream = Upstream(config.tokenizer_addr, config.engine_addr, config.served_model_name,
                             rpc_timeout_s=config.rpc_timeout_s,
-                            generate_timeout_s=config.request_timeout_s, tls=config.tls)
+                            generate_timeout_s=config.request_timeout_s, tls=config.tls,
+                            served_model_aliases=config.served_model_aliases)
         reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
         app.state.gateway = GatewayState(upstream, metrics, config.limits, config.tool_call_parser,
                                          config.stream_headers_timeout_s, drain, reasoning)
@@ -112,20 +114,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(responses.router)
     app.include_router(tokenize.router)
 
-    def model_card(facts: ModelFacts) -> dict:
-        return {"id": facts.name, "object": "model", "created": int(time.time()), "owned_by": "strata",
+    def model_card(facts: ModelFacts, name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "strata",
                 "root": facts.name, "parent": None, "max_model_len": facts.max_model_len}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         facts = await gateway_state(request).upstream.facts()
-        return JSONResponse({"object": "list", "data": [model_card(facts)]})
+        return JSONResponse({"object": "list", "data": [model_card(facts, name) for name in facts.names]})
 
     @app.get("/v1/models/{model:path}")  # the served name may hold slashes ("org/name")
     async def retrieve_model(model: str, request: Request) -> JSONResponse:
         facts = await gateway_state(request).upstream.facts()
         check_model(model, facts)
-        return JSONResponse(model_card(facts))
+        return JSONResponse(model_card(facts, model))
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

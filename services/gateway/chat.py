@@ -169,7 +169,7 @@ async def messages_proto(messages: list[ChatMessage]) -> list[tokenizer_pb2.Chat
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
     facts = await state.upstream.facts()
-    ctx = RequestContext.new("chatcmpl", facts.name)
+    ctx = RequestContext.new("chatcmpl", facts.answering_as(body.model))
     params = validate_chat(body, facts, state.limits)
     tool_use = validate_tools(body, state.tool_call_parser)
     forced = tool_use.forced

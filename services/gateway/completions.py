@@ -97,7 +97,7 @@ class CompletionRenderer(ChoiceRenderer):
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = gateway_state(request)
     facts = await state.upstream.facts()
-    ctx = RequestContext.new("cmpl", facts.name)
+    ctx = RequestContext.new("cmpl", facts.answering_as(body.model))
     params = validate_completion(body, facts, state.limits)
     raw_prompts = completion_prompts(body)
 

@@ -286,7 +286,7 @@ def _usage(usage: Usage) -> dict:
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = gateway_state(request)
     facts = await state.upstream.facts()
-    ctx = RequestContext(f"resp_{uuid.uuid4().hex}", facts.name)
+    ctx = RequestContext(f"resp_{uuid.uuid4().hex}", facts.answering_as(body.model))
     chat = chat_request(body)
     try:
         params = validate_chat(chat, facts, state.limits)

@@ -35,7 +35,8 @@ class Upstream:
     """Channels and stubs of one tokenizer and one engine; create inside the event loop."""
 
     def __init__(self, tokenizer_addr: str, engine_addr: str, served_model_name: str | None = None,
-                 rpc_timeout_s: float = 30.0, generate_timeout_s: float = 3600.0, tls: TlsFiles | None = None) -> None:
+                 rpc_timeout_s: float = 30.0, generate_timeout_s: float = 3600.0, tls: TlsFiles | None = None,
+                 served_model_aliases: tuple[str, ...] = ()) -> None:
         self._tokenizer_channel = aio_channel(tokenizer_addr, tls, options=_CHANNEL_OPTIONS)
         self._engine_channel = aio_channel(engine_addr, tls, options=_CHANNEL_OPTIONS)
         self._addresses = {"tokenizer": tokenizer_addr, "engine": engine_addr}
@@ -44,6 +45,7 @@ class Upstream:
         self.rpc_timeout_s = rpc_timeout_s
         self.generate_timeout_s = generate_timeout_s
         self._served_model_name = served_model_name
+        self._served_model_aliases = served_model_aliases
         self._facts: ModelFacts | None = None
         self._fetching_facts = asyncio.Lock()
         self._decoder: TokenDecoder | None = None
@@ -80,6 +82,7 @@ class Upstream:
         self._decoder = await asyncio.to_thread(TokenDecoder.from_proto, decoder)
         return ModelFacts(
             name=self._served_model_name or engine_info.model,
+            aliases=self._served_model_aliases,
             max_model_len=engine_info.max_model_len or tokenizer_info.max_model_len,
             eos_token_ids=frozenset(tokenizer_info.eos_token_ids),
             generate_many=engine_info.generate_many,

@@ -35,6 +35,15 @@ class ModelFacts:
     generate_many: bool = False  # the engine answers GenerateMany (a router does not)
     default_max_tokens: int | None = None  # the model's, for a request without max_tokens (generation_config.json)
     default_temperature: float = 1.0  # the model's, for a request without temperature (generation_config.json)
+    aliases: tuple[str, ...] = ()  # more names clients may send for it (--served-model-name's after the first)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def answering_as(self, requested: str | None) -> str:
+        """The name a response carries: the one the request sent, as vLLM echoes it (the first by default)."""
+        return requested if requested in self.aliases else self.name
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,7 @@ def check_token_ids(ids: list[int], param: str) -> None:
 
 
 def check_model(requested: str | None, facts: ModelFacts) -> None:
-    if requested is not None and requested != facts.name:
+    if requested is not None and requested not in facts.names:
         raise errors.model_not_found(requested)
 
 

@@ -32,8 +32,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in model)")
     parser.add_argument("--host", default=defaults.host, help="address of the gateway (default: %(default)s)")
     parser.add_argument("--port", type=int, default=defaults.port, help="port of the gateway (default: %(default)s)")
-    parser.add_argument("--served-model-name",
-                        help="the model name clients send (default: --model, or strata-tiny-v1 for the built-in model)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the model name clients send, or several (any is accepted; the first is the main one) "
+                             "(default: --model, or strata-tiny-v1 for the built-in model)")
     parser.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $STRATA_API_KEY; the gateway gets "
                              "it in its environment, and it is never printed)")
@@ -143,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = resolve_model_dir(args.model)  # a Hub id: its snapshot, found or fetched once here
         except ValueError as error:
             raise SystemExit(f"strata up: {error}") from None
-    served_model_name = args.served_model_name or (args.model if model_dir != args.model else None)
+    names = args.served_model_name or ([args.model] if model_dir != args.model else [None])
     config = StackConfig(model=model_dir, host=args.host, port=args.port,
-                         served_model_name=served_model_name, api_key=args.api_key,
+                         served_model_name=names[0], served_model_aliases=names[1:], api_key=args.api_key,
                          engine_args=engine_flags(args), gateway_args=gateway_flags(args),
                          router_args=shlex.split(args.router_args),
                          tokenizer_args=tokenizer_flags(args),

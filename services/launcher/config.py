@@ -14,6 +14,7 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
+    served_model_aliases: list[str] = field(default_factory=list)  # more names the gateway accepts
     api_key: str | None = None
     engine_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)

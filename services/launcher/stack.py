@@ -117,7 +117,7 @@ class Stack:
                                      "--engine-addrs", ",".join(addresses), *events, *config.router_args])
         gateway = [*python, "services.gateway", "--host", config.host, "--port", str(config.port),
                    "--tokenizer-addr", self.tokenizer_addr, "--engine-addr", self.engine_addr,
-                   "--served-model-name", self.model_name, *config.gateway_args]
+                   "--served-model-name", self.model_name, *config.served_model_aliases, *config.gateway_args]
 
         commands["gateway"] = gateway
         self.metrics_urls["gateway"] = self.base_url + "/metrics"

@@ -174,3 +174,19 @@ def test_a_hugging_face_hub_id_is_served_from_the_cache_under_its_id(default_mod
     missing = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "strata-test/absent"],
                              env=env, capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "not in the Hugging Face cache" in missing.stderr
+
+
+def test_several_served_names_are_each_accepted_and_echoed(default_model_dir, tmp_path):
+    """vLLM's --served-model-name a b: either name is served, /v1/models lists both, an answer carries the
+    name its request sent (the first by default), and any other name is a 404."""
+    config = StackConfig(model=str(default_model_dir), port=find_free_port(), served_model_name="tiny",
+                         served_model_aliases=["tiny-alias"], engine_args=["--enforce-eager"],
+                         log_dir=tmp_path, echo_logs=False, startup_timeout_s=120)
+    with Stack(config) as stack, openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0) as client:
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-alias"]
+        assert client.models.retrieve("tiny-alias").id == "tiny-alias"
+        for name in ("tiny", "tiny-alias"):
+            assert client.completions.create(model=name, prompt="Hi", max_tokens=1).model == name
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="Hi", max_tokens=1)
+    assert parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
