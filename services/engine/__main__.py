@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     use_openmp_wait_policy()  # before the server's imports load torch
     setup_logging(args.log_level, args.log_format, service="strata-engine", instance=args.replica_id)
     config = with_local_model(config_from_args(args))
+    if config.trust_remote_code:
+        log.info("--trust-remote-code: accepted for vLLM's command lines; Strata runs no code from a checkpoint")
     if args.load_report_interval <= 0 or args.log_stats_interval <= 0:
         raise SystemExit("strata engine: --load-report-interval and --log-stats-interval must be > 0")
     if not 0 < args.trace_steps_sample <= 1:

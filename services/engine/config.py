@@ -66,6 +66,12 @@ class EngineConfig:
                                           "(default: %(default)s)")
     override_generation_config: str | None = flag(None, "JSON object of defaults set over the generation config's, "
                                                         "e.g. '{\"temperature\": 0.5}' (default: none)")
+    quantization: str | None = flag(None, "the checkpoint's quantization method, checked against its config.json "
+                                          "as vLLM's flag (gptq, awq, compressed-tensors, fp8, fbgemm_fp8; "
+                                          "gptq_marlin and awq_marlin name gptq and awq); quantized weights are "
+                                          "dequantized as they load (default: the checkpoint's)")
+    trust_remote_code: bool = flag(False, "accepted for vLLM's command lines: Strata runs no code from a checkpoint, "
+                                          "so it changes nothing (default: off)", action="store_true")
     # Requests that may wait beyond a full running batch before new ones are refused (RESOURCE_EXHAUSTED);
     # None: 4 x max_num_seqs, so the last in line waits about four batch turnovers; -1: unbounded.
     max_waiting_requests: int | None = flag(

@@ -16,6 +16,7 @@ from services.engine.memory_arena import staggered_zeros
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
 from services.engine.models.packed_linear import NATIVE_MAX_ROWS
+from services.engine.models.quantized_weights import check_requested
 from services.engine.request import Request
 from services.engine.sampler import Sampler, token_logprobs
 from services.engine.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = mc = load_model_config(config.model)
+        check_requested(config.quantization, mc.quantization, config.model)
         self.device = torch.device(config.device)
         self.dtype = mc.resolve_dtype(config.dtype, self.device)
         if not config.enforce_eager:

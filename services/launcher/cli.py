@@ -23,7 +23,7 @@ from services.launcher.stack import Stack, StartupError
 # --enable-prefix-caching); any other engine flag goes through --engine-args
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
                 "max_logprobs", "seed", "dtype", "device", "attention_backend", "generation_config",
-                "override_generation_config")
+                "override_generation_config", "quantization")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "routing) in front of them (default: %(default)s)")
     engine = parser.add_argument_group("engine (passed through when given; `strata engine --help` lists them all)")
     add_engine_passthrough_args(engine, [*ENGINE_FLAGS, "enable_prefix_caching"])
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines: Strata runs no code from a checkpoint (default: off)")
     engine.add_argument("--engine-args", default="",
                         help="more engine flags, one quoted string, e.g. \"--stream-interval 4\" (a single flag: "
                              "--engine-args=--flag) (default: none)")
@@ -105,6 +107,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if args.enable_prefix_caching is not None:
         flags.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    if args.trust_remote_code:
+        flags.append("--trust-remote-code")
     return flags + shlex.split(args.engine_args)
 
 

@@ -60,6 +60,8 @@ def test_engine_flags_pass_through():
                        "--engine-args", "--block-size 32 --seed 3"])
     assert engine_flags(args) == ["--max-num-seqs", "8", "--dtype", "float32",
                                   "--no-enable-prefix-caching", "--block-size", "32", "--seed", "3"]
+    vllm_style = parse_args(["--quantization", "awq", "--trust-remote-code"])
+    assert engine_flags(vllm_style) == ["--quantization", "awq", "--trust-remote-code"]
 
 
 def test_gateway_flags_pass_through():

@@ -264,3 +264,18 @@ def test_unsupported_quantization_is_refused_when_the_config_is_read(tmp_path, q
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         load_model_config(path)
+
+
+def test_the_quantization_flag_is_checked_against_the_checkpoint():
+    """vLLM's --quantization: the checkpoint's method (or a vLLM kernel of it) passes; another, or any on an
+    unquantized checkpoint, is refused with what to do."""
+    from services.engine.models.quantized_weights import check_requested
+
+    gptq = {"quant_method": "gptq", "bits": 4}
+    check_requested(None, gptq, "ckpt")
+    check_requested("gptq", gptq, "ckpt")
+    check_requested("gptq_marlin", gptq, "ckpt")
+    with pytest.raises(ValueError, match="does not match ckpt's quantization method 'gptq'"):
+        check_requested("awq", gptq, "ckpt")
+    with pytest.raises(ValueError, match="ckpt is not quantized, and quantizing it at load is not supported"):
+        check_requested("fp8", None, "ckpt")

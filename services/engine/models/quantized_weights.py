@@ -55,6 +55,23 @@ def check_supported(quantization: dict | None, source: str) -> None:
                                  f"{weights.get('num_bits')} bits) is not supported: int of 1-8 bits or float8")
 
 
+_KERNEL_NAMES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}  # vLLM's names for a kernel of a method
+
+
+def check_requested(requested: str | None, quantization: dict | None, source: str) -> None:
+    """``--quantization``, as vLLM checks it: the checkpoint's own method (or a vLLM kernel of it);
+    quantizing an unquantized checkpoint at load is not supported (nothing here would run faster)."""
+    if requested is None:
+        return
+    method = (quantization or {}).get("quant_method")
+    if method is None:
+        raise ValueError(f"--quantization {requested}: {source} is not quantized, and quantizing it at load is "
+                         f"not supported (there are no low-bit kernels here); leave the flag out")
+    if _KERNEL_NAMES.get(requested, requested) != method:
+        raise ValueError(f"--quantization {requested} does not match {source}'s quantization method {method!r}; "
+                         f"leave the flag out to use the checkpoint's")
+
+
 def describe(quantization: dict) -> str:
     """One line for the load log: the method and its width."""
     method = quantization["quant_method"]
