@@ -174,8 +174,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     tool_use = validate_tools(body, state.tool_call_parser)
     forced = tool_use.forced
     params.constraint = only_one(params.constraint, forced.constraint if forced else None)
-    if state.reasoning is not None and params.constraint is not None:  # the answer keeps to it, not the thinking
-        params.constraint = await state.reasoning.constraint_after_thinking(state.upstream, params.constraint)
+    if state.reasoning is not None:
+        await state.reasoning.prepare(state.upstream, params)
     messages = await messages_proto(body.messages)
     # the request's tools reach the template as transformers passes them; chat_template_kwargs win
     template_kwargs = {**({"tools": tool_use.tools} if tool_use.tools else {}), **(body.chat_template_kwargs or {})}

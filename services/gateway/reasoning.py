@@ -53,13 +53,17 @@ class ReasoningParser:
             self._end_token_ids = ids[self.tags.end]
         return self._end_token_ids
 
-    async def constraint_after_thinking(self, upstream, constraint):
-        """``constraint`` (structured_output.Constraint) applied to the answer: the engine starts it once
-        the output holds the end tag's token."""
-        proto = engine_pb2.StructuredOutput()
-        proto.CopyFrom(constraint.proto)
-        proto.starts_after[:] = await self.end_token_ids(upstream)
-        return type(constraint)(constraint.param, proto)
+    async def prepare(self, upstream, params) -> None:
+        """A chat request's ``params`` (validation.GenerationParams) for a thinking model: usage counts
+        the tokens before the end tag as reasoning_tokens, and a structured-output constraint binds
+        the answer only (the engine starts it once the output holds the end tag's token)."""
+        end_token_ids = await self.end_token_ids(upstream)
+        params.reasoning_end_token_id = end_token_ids[0]
+        if params.constraint is not None:
+            proto = engine_pb2.StructuredOutput()
+            proto.CopyFrom(params.constraint.proto)
+            proto.starts_after[:] = end_token_ids
+            params.constraint = type(params.constraint)(params.constraint.param, proto)
 
 
 def split_reasoning(text: str, tags: ReasoningTags) -> tuple[str, str | None]:

@@ -278,7 +278,9 @@ def _usage(usage: Usage) -> dict:
     counts = usage.as_dict()
     return {"input_tokens": counts["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": counts["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": counts.get("completion_tokens_details",
+                                                                     {}).get("reasoning_tokens", 0)},
             "total_tokens": counts["total_tokens"]}
 
 
@@ -297,8 +299,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     tool_use = validate_tools(chat, state.tool_call_parser)
     forced = tool_use.forced
     params.constraint = only_one(params.constraint, forced.constraint if forced else None)
-    if state.reasoning is not None and params.constraint is not None:  # the answer keeps to it, not the thinking
-        params.constraint = await state.reasoning.constraint_after_thinking(state.upstream, params.constraint)
+    if state.reasoning is not None:
+        await state.reasoning.prepare(state.upstream, params)
     prompt = await state.upstream.encode_chat(await messages_proto(chat.messages), True, None,
                                               {"tools": tool_use.tools} if tool_use.tools else {})
     if tool_use.keeps_special_tokens:

@@ -147,15 +147,26 @@ class Usage:
     """Token counts over all choices: each prompt counted once, cached tokens as the least any of
     its choices found in the prefix cache."""
 
-    def __init__(self, prompts: list[list[int]], n: int) -> None:
+    def __init__(self, prompts: list[list[int]], n: int, reasoning_end_token_id: int | None = None) -> None:
+        """``reasoning_end_token_id``: count each choice's tokens before it as reasoning_tokens (a
+        reasoning model's thinking, its chat template having opened it), as vLLM counts them."""
         self._n = n
         self._prompt_tokens = [len(p) for p in prompts]
         self._completion = [0] * (len(prompts) * n)
         self._cached: list[int | None] = [None] * (len(prompts) * n)
+        self._reasoning_end = reasoning_end_token_id
+        self._reasoning = [0] * (len(prompts) * n)
+        self._thinking = [reasoning_end_token_id is not None] * (len(prompts) * n)
 
     def update(self, step: Step) -> None:
         self._completion[step.index] = step.completion_tokens
         self._cached[step.index] = step.cached_tokens
+        if self._thinking[step.index]:
+            for token_id in step.token_ids:
+                if token_id == self._reasoning_end:
+                    self._thinking[step.index] = False
+                    break
+                self._reasoning[step.index] += 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -171,9 +182,12 @@ class Usage:
             seen = [c for c in self._cached[prompt_index * self._n:(prompt_index + 1) * self._n]
                     if c is not None]
             cached += min(seen) if seen else 0
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        counts = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                  "total_tokens": self.prompt_tokens + self.completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached}}
+        if self._reasoning_end is not None:
+            counts["completion_tokens_details"] = {"reasoning_tokens": sum(self._reasoning)}
+        return counts
 
 
 class _ClientDisconnected(Exception):
@@ -259,7 +273,7 @@ async def serve(request: Request, state: GatewayState, facts: ModelFacts, ctx: R
     max_tokens = [resolve_max_tokens(params, len(prompt), facts) for prompt in prompts]
     specs = plan_choices(ctx.response_id, prompts, max_tokens, params)
     fanout = FanOut(state.upstream, specs, params, facts.eos_token_ids)
-    usage = Usage(prompts, params.n)
+    usage = Usage(prompts, params.n, params.reasoning_end_token_id)
     recorder = _Recorder(state.metrics, ctx)
     handed_over = False
     span = recorder.span  # the request's root span (TracingMiddleware)

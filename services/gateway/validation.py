@@ -84,6 +84,7 @@ class GenerationParams:
     ignore_eos: bool = False
     constraint: Constraint | None = None  # structured output, the same for every choice
     logprobs_param: str = "logprobs"  # chat's is top_logprobs
+    reasoning_end_token_id: int | None = None  # --reasoning-parser: the thinking's end, for usage's reasoning_tokens
 
     def request_param(self, engine_param: str | None) -> str | None:
         """The client's name for the field an engine refusal names (the engine speaks of max_tokens,

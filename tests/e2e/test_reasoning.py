@@ -53,8 +53,10 @@ def test_without_an_end_tag_everything_is_thinking(thinking):
     client, end_id = thinking
     request = dict(model="thinker", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0,
                    logit_bias={str(end_id): -100})
-    message = client.chat.completions.create(**request).choices[0].message
+    response = client.chat.completions.create(**request)
+    message = response.choices[0].message
     assert message.content is None and message.reasoning_content and message.reasoning == message.reasoning_content
+    assert response.usage.completion_tokens_details.reasoning_tokens == response.usage.completion_tokens == 12
     chunks = list(client.chat.completions.create(**request, stream=True))
     streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
     assert streamed == message.reasoning_content
@@ -78,5 +80,6 @@ def test_a_json_schema_binds_the_answer_after_the_end_tag(thinking, stream):
     else:
         message = response.choices[0].message
         reasoning, content = message.reasoning_content, message.content
+        assert response.usage.completion_tokens_details.reasoning_tokens == 0  # </think> came first
     assert reasoning == "" or reasoning is None
     assert isinstance(json.loads(content)["ok"], bool)

@@ -143,13 +143,27 @@ class _Vocabulary:
         return [self.tokens[text]] if text in self.tokens else [1] * len(text)
 
 
-def test_a_constraint_starts_after_the_end_tag_token():
+def test_a_request_counts_its_thinking_and_its_constraint_starts_after_the_end_tag_token():
     parser = ReasoningParser("deepseek_r1")
     constraint = Constraint("response_format", engine_pb2.StructuredOutput(json_object=True))
-    upstream = _Vocabulary({"<think>": 7, "</think>": 8})
-    after = asyncio.run(parser.constraint_after_thinking(upstream, constraint))
-    assert after.param == "response_format" and after.proto.json_object and list(after.proto.starts_after) == [8]
+    params = GenerationParams(constraint=constraint)
+    asyncio.run(parser.prepare(_Vocabulary({"<think>": 7, "</think>": 8}), params))
+    assert params.reasoning_end_token_id == 8
+    assert params.constraint.param == "response_format" and params.constraint.proto.json_object
+    assert list(params.constraint.proto.starts_after) == [8]
     assert not constraint.proto.starts_after  # the request's own constraint is left as it was
+
+
+def test_usage_counts_the_tokens_before_the_end_tag_as_reasoning_tokens():
+    usage = Usage([[1, 2]], 2, reasoning_end_token_id=8)
+    usage.update(Step(0, "a", [5, 6], completion_tokens=2))
+    usage.update(Step(1, "b", [5], completion_tokens=1))
+    usage.update(Step(0, "c", [7, 8, 9, 8], completion_tokens=6))  # a second </think> is the answer's
+    assert usage.as_dict()["completion_tokens_details"] == {"reasoning_tokens": 4}  # 3 of choice 0, 1 of choice 1
+    assert "completion_tokens_details" not in Usage([[1]], 1).as_dict()
+    body = ResponsesRenderer(ResponsesRequest(input="hi"), chat_renderer()).response(
+        RequestContext("resp_1", "m"), [ChoiceResult(0, "x</think>y", finish_reason="stop")], usage)
+    assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 4}
 
 
 def test_a_vocabulary_without_the_tags_is_a_clear_server_error():
