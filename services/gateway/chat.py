@@ -32,10 +32,11 @@ class ChatRenderer(ChoiceRenderer):
 
     def __init__(self, upstream: Upstream, with_logprobs: bool, tool_parser: str | None = None,
                  forced_tool_calls: ForcedToolCalls | None = None, num_prompt_logprobs: int | None = None,
-                 reasoning: ReasoningTags | None = None, include_reasoning: bool = True) -> None:
+                 reasoning: ReasoningTags | None = None, include_reasoning: bool = True, echo: str = "") -> None:
         """``num_prompt_logprobs``: the response carries vLLM's ``prompt_logprobs`` with this many alternatives.
         ``reasoning``: the model thinks between these tags (`reasoning.py`); what it thinks is the message's
-        ``reasoning`` (dropped without ``include_reasoning``), and the rest is read as the answer."""
+        ``reasoning`` (dropped without ``include_reasoning``), and the rest is read as the answer. ``echo``:
+        the content starts with it (vLLM's chat ``echo``: the assistant message the request ended with)."""
         self._upstream = upstream
         self._num_prompt_logprobs = num_prompt_logprobs
         self._with_logprobs = with_logprobs
@@ -45,6 +46,7 @@ class ChatRenderer(ChoiceRenderer):
         self._reasoning = reasoning
         self._include_reasoning = include_reasoning
         self._reasoning_streams: dict[int, ReasoningStream] = {}  # by choice index
+        self._echo = echo
 
     def _logprobs(self, entries: list) -> dict | None:
         if not self._with_logprobs:
@@ -54,7 +56,7 @@ class ChatRenderer(ChoiceRenderer):
 
     def preamble(self, indices: list[int]) -> list[dict]:
         def first_delta(index: int) -> dict:
-            return self._forced.first_delta(index) if self._forced else {"role": "assistant", "content": ""}
+            return self._forced.first_delta(index) if self._forced else {"role": "assistant", "content": self._echo}
         return [{"index": i, "delta": first_delta(i), "logprobs": None, "finish_reason": None} for i in indices]
 
     def stream_choice(self, step: Step) -> dict | None:
@@ -115,6 +117,8 @@ class ChatRenderer(ChoiceRenderer):
             message = {"role": "assistant", "content": content,
                        "tool_calls": [{k: v for k, v in call.items() if k != "index"} for call in calls]}
             finish_reason = _with_tool_calls(finish_reason, len(calls))
+        if self._echo and self._forced is None:
+            message["content"] = self._echo + (message["content"] or "")
         if self._reasoning is not None and self._include_reasoning:
             message = {"role": "assistant", **_reasoning_fields(reasoning), **message}
         return {"index": result.index, "message": message, "logprobs": self._logprobs(result.logprobs),
@@ -136,6 +140,12 @@ def _reasoning_fields(reasoning: str | None) -> dict:
 def _with_tool_calls(finish_reason: str | None, num_calls: int) -> str | None:
     """A turn that ends by itself after calling tools finishes with "tool_calls", as OpenAI's do."""
     return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the answer starts with the request's last message where that is the assistant's."""
+    last = body.messages[-1] if body.messages else None
+    return _flatten(last.content) if body.echo and last is not None and last.role == "assistant" else ""
 
 
 def _flatten(content: str | list[ContentPart] | None) -> str:
@@ -185,5 +195,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params.skip_special_tokens = False
     renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parser,
                             ForcedToolCalls(forced.function_name) if forced else None, body.prompt_logprobs,
-                            state.reasoning.tags if state.reasoning else None, body.include_reasoning)
+                            state.reasoning.tags if state.reasoning else None, body.include_reasoning,
+                            _echoed(body))
     return await serve(request, state, facts, ctx, params, [prompt], renderer)

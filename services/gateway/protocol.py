@@ -122,6 +122,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: StrictBool = True  # with --reasoning-parser: false drops the thinking from the answer
     continue_final_message: StrictBool = False  # the final (assistant) message is continued, not closed
+    echo: StrictBool = False  # the answer starts with the last message, where that is the assistant's
 
 
 class ResponseInputContent(_Body):

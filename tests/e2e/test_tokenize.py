@@ -43,6 +43,14 @@ def test_a_continued_final_message_is_left_open(http, client, tokenizer):
     chat = client.chat.completions.create(model=MODEL, messages=begun, max_tokens=1, extra_body={
         "chat_template": template, "add_generation_prompt": False, "continue_final_message": True})
     assert chat.usage.prompt_tokens == body["count"]
+    for stream in (False, True):  # vLLM's chat echo: the answer starts with the message it continues
+        echoed = client.chat.completions.create(
+            model=MODEL, messages=begun, max_tokens=3, stream=stream, temperature=0, extra_body={
+                "chat_template": template, "add_generation_prompt": False, "continue_final_message": True,
+                "echo": True, "ignore_eos": True})
+        content = "".join(c.choices[0].delta.content or "" for c in echoed if c.choices) if stream \
+            else echoed.choices[0].message.content
+        assert content.startswith("The colour is") and content != "The colour is"
     closed = http.post("/tokenize", json=fields).json()
     assert decode(tokenizer, closed["tokens"]) == expected + "</turn>"
 
