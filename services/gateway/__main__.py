@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help='read tool calls out of the model\'s text (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the model's tool-call format (hermes: Hermes 2 Pro, Qwen2.5, Qwen3; llama3_json: Llama 3.1, "
-                             "3.2; mistral: Mistral 7B Instruct v0.3 and later) (default: none)")
+                             "3.2; pythonic: Llama 3.2 1B/3B with a pythonic template; mistral: Mistral 7B Instruct "
+                             "v0.3 and later) (default: none)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="the model thinks before it answers; its thinking goes to chat messages' reasoning "
                              "(deepseek_r1: <think>...</think>, DeepSeek-R1 and its distills, QwQ) (default: none)")

@@ -1,4 +1,4 @@
-"""The llama3_json and mistral tool-call parsers (hermes: test_tools.py): whole answers read as vLLM's
+"""The llama3_json, mistral and pythonic tool-call parsers (hermes: test_tools.py): whole answers read as vLLM's
 parsers read them, any cut of a stream reads as the whole answer does, Mistral's ids and special tokens."""
 
 import json
@@ -35,8 +35,17 @@ MISTRAL = {
     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}] junk]':
         (None, [("get_weather", PARIS)]),
 }
+PYTHONIC = {
+    '[get_weather(city="Paris"), now()]': (None, [("get_weather", PARIS), ("now", {})]),
+    ' [f(x=[1, {"y": "]"}], z=None, w=True)]': (None, [("f", {"x": [1, {"y": "]"}], "z": None, "w": True})]),
+    "Sunny in Paris.": ("Sunny in Paris.", []),
+    "[1, 2, 3]": ("[1, 2, 3]", []),  # a list, not of calls
+    '[f(open("x"))]': ('[f(open("x"))]', []),  # a positional, non-literal argument
+    '[get_weather(city="Par': ('[get_weather(city="Par', []),  # cut off
+}
 CASES = [("llama3_json", text, expected) for text, expected in LLAMA3.items()] + \
-        [("mistral", text, expected) for text, expected in MISTRAL.items()]
+        [("mistral", text, expected) for text, expected in MISTRAL.items()] + \
+        [("pythonic", text, expected) for text, expected in PYTHONIC.items()]
 
 
 @pytest.mark.parametrize("parser, text, expected", CASES)
