@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from services.common.pb import engine_pb2
 from services.gateway import errors
+from services.gateway.held_back import held_back_length
 
 log = logging.getLogger(__name__)
 
@@ -98,18 +99,12 @@ class ReasoningStream:
         if end:
             self._thinking = False
             return reasoning, content
-        self._held = _partial_tag(text, self._tags.end if self._seen_start else None, self._tags)
-        return text[:len(text) - len(self._held)], ""
+        markers = (self._tags.end,) if self._seen_start else (self._tags.start, self._tags.end)
+        cut = len(text) - held_back_length(text, markers)
+        self._held = text[cut:]
+        return text[:cut], ""
 
     def finish(self) -> tuple[str, str]:
         held, self._held = self._held, ""
         return (held, "") if self._thinking else ("", held)
 
-
-def _partial_tag(text: str, only: str | None, tags: ReasoningTags) -> str:
-    """The longest end of ``text`` that begins a tag (``only`` that one, else either) without being it."""
-    candidates = (only,) if only else (tags.start, tags.end)
-    for length in range(min(len(text), max(map(len, candidates)) - 1), 0, -1):
-        if any(tag.startswith(text[-length:]) for tag in candidates):
-            return text[-length:]
-    return ""

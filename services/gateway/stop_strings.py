@@ -8,6 +8,8 @@ longer be part of a match, which is why searching the held-back text alone is en
 
 from dataclasses import dataclass
 
+from services.gateway.held_back import held_back_length
+
 
 @dataclass
 class StopMatch:
@@ -62,10 +64,4 @@ class StopStringMatcher:
 
     def _held_back_len(self) -> int:
         """Length of the longest suffix of the pending text that is a proper prefix of a stop."""
-        longest = 0
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(self._pending)), longest, -1):
-                if self._pending.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+        return held_back_length(self._pending, self._stops)

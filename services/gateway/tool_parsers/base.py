@@ -40,14 +40,6 @@ class ToolCallStream:
         return call
 
 
-def partial_tag_length(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that ``tag`` could continue (0: none)."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
-
-
 def parse_whole(stream: ToolCallStream, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A finished choice's text → (content, tool calls), as its stream reads it. Content is None when
     only whitespace surrounds the calls."""

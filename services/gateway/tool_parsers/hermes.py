@@ -4,7 +4,8 @@
 import json
 from typing import Any
 
-from services.gateway.tool_parsers.base import ToolCallStream, partial_tag_length
+from services.gateway.held_back import held_back_length
+from services.gateway.tool_parsers.base import ToolCallStream
 
 _START, _END = "<tool_call>", "</tool_call>"
 
@@ -25,7 +26,7 @@ class HermesStream(ToolCallStream):
             if not self._in_call:
                 start = self._held.find(_START)
                 if start < 0:
-                    cut = len(self._held) - partial_tag_length(self._held, _START)
+                    cut = len(self._held) - held_back_length(self._held, (_START,))
                     content.append(self._text(self._held[:cut]))
                     self._held = self._held[cut:]
                     break

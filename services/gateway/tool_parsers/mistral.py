@@ -10,7 +10,8 @@ import re
 import string
 from typing import Any
 
-from services.gateway.tool_parsers.base import ToolCallStream, partial_tag_length
+from services.gateway.held_back import held_back_length
+from services.gateway.tool_parsers.base import ToolCallStream
 
 _TOOL_CALLS = "[TOOL_CALLS]"
 _ARRAY = re.compile(r"\[\{.*\}\]", re.DOTALL)
@@ -40,7 +41,7 @@ class MistralStream(ToolCallStream):
         if not self._in_calls:
             start = self._held.find(_TOOL_CALLS)
             if start < 0:
-                cut = len(self._held) - partial_tag_length(self._held, _TOOL_CALLS)
+                cut = len(self._held) - held_back_length(self._held, (_TOOL_CALLS,))
                 content, self._held = self._held[:cut], self._held[cut:]
                 return content, []
             content, self._held, self._in_calls = self._held[:start], self._held[start:], True
