@@ -3,10 +3,9 @@
 Llama, Mistral and Qwen2 checkpoints are also published quantized (config.json's
 ``quantization_config.quant_method``): Qwen's own GPTQ and AWQ releases, llm-compressor's
 compressed-tensors checkpoints (W4A16, W8A16, W8A8, FP8; Red Hat's and Neural Magic's), block-wise FP8
-(transformers' ``fp8``) and Meta's ``fbgemm_fp8``. The engine has no low-bit kernels, so it serves them
-as vLLM's CPU backend serves a format it has no kernel for cannot: each quantized projection is
-rebuilt in floating point (integer or FP8 values, less their zero points, times their scales) and
-loaded like any weight. The served model is the quantized one (its rounded weights); memory and speed
+(transformers' ``fp8``) and Meta's ``fbgemm_fp8``. The engine has no low-bit kernels: each quantized
+projection is rebuilt in floating point (integer or FP8 values, less their zero points, times their
+scales) and loaded like any weight. The served model is the quantized one (its rounded weights); memory and speed
 are those of the serving dtype, and quantized activations (W8A8's input scales) run unquantized.
 
 ``QuantizedWeights(tensors, quantization_config).get(name)`` returns a projection's ``weight`` as
