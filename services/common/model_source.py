@@ -23,6 +23,9 @@ def resolve_model_dir(model: str) -> str:
     path = Path(model).expanduser()
     if path.is_dir():
         return str(path)
+    if path.exists():
+        raise ValueError(f"--model {model} is a file; it takes a Hugging Face checkpoint directory (config.json, "
+                         f"weights, tokenizer files) or a Hub id (GGUF files are not served)")
     if not _looks_like_hub_id(model):
         raise ValueError(f"--model {model}: no such directory (pass a checkpoint directory or a Hugging Face "
                          f"Hub id such as Qwen/Qwen2.5-0.5B-Instruct)")

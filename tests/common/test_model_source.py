@@ -46,3 +46,9 @@ def test_a_hub_id_is_its_cached_snapshot(hub_cache):
 def test_what_cannot_be_found_says_what_to_do(hub_cache, model, message):
     with pytest.raises(ValueError, match=message):
         resolve_model_dir(model)
+
+
+def test_a_file_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="is a file; it takes a Hugging Face checkpoint directory"):
+        resolve_model_dir(str(tmp_path / "model.gguf"))
