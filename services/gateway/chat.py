@@ -32,11 +32,13 @@ class ChatRenderer(ChoiceRenderer):
 
     def __init__(self, upstream: Upstream, with_logprobs: bool, tool_parser: str | None = None,
                  forced_tool_calls: ForcedToolCalls | None = None, num_prompt_logprobs: int | None = None,
-                 reasoning: ReasoningTags | None = None, include_reasoning: bool = True, echo: str = "") -> None:
+                 reasoning: ReasoningTags | None = None, include_reasoning: bool = True, echo: str = "",
+                 parallel_tool_calls: bool = True) -> None:
         """``num_prompt_logprobs``: the response carries vLLM's ``prompt_logprobs`` with this many alternatives.
         ``reasoning``: the model thinks between these tags (`reasoning.py`); what it thinks is the message's
         ``reasoning`` (dropped without ``include_reasoning``), and the rest is read as the answer. ``echo``:
-        the content starts with it (vLLM's chat ``echo``: the assistant message the request ended with)."""
+        the content starts with it (vLLM's chat ``echo``: the assistant message the request ended with).
+        Without ``parallel_tool_calls``, a choice's first parsed tool call is its only one (as vLLM drops the rest)."""
         self._upstream = upstream
         self._num_prompt_logprobs = num_prompt_logprobs
         self._with_logprobs = with_logprobs
@@ -47,6 +49,7 @@ class ChatRenderer(ChoiceRenderer):
         self._include_reasoning = include_reasoning
         self._reasoning_streams: dict[int, ReasoningStream] = {}  # by choice index
         self._echo = echo
+        self._max_tool_calls = None if parallel_tool_calls else 1
 
     def _logprobs(self, entries: list) -> dict | None:
         if not self._with_logprobs:
@@ -99,6 +102,8 @@ class ChatRenderer(ChoiceRenderer):
                 rest, last_calls = stream.finish()
                 text, tool_calls = text + rest, tool_calls + last_calls
                 finish_reason = _with_tool_calls(finish_reason, stream.num_calls)
+            if self._max_tool_calls is not None:
+                tool_calls = [call for call in tool_calls if call["index"] < self._max_tool_calls]
         delta = {"content": text} if text or has_logprobs else {}
         if tool_calls:
             delta["tool_calls"] = tool_calls
@@ -114,6 +119,7 @@ class ChatRenderer(ChoiceRenderer):
             message, finish_reason = self._forced.message(text or "", finish_reason)
         elif self._tool_parser is not None:
             content, calls = parse_tool_calls(text or "", self._tool_parser)
+            calls = calls[:self._max_tool_calls]
             message = {"role": "assistant", "content": content,
                        "tool_calls": [{k: v for k, v in call.items() if k != "index"} for call in calls]}
             finish_reason = _with_tool_calls(finish_reason, len(calls))
@@ -196,5 +202,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     renderer = ChatRenderer(state.upstream, params.num_logprobs is not None, tool_use.parser,
                             ForcedToolCalls(forced.function_name) if forced else None, body.prompt_logprobs,
                             state.reasoning.tags if state.reasoning else None, body.include_reasoning,
-                            _echoed(body))
+                            _echoed(body), body.parallel_tool_calls is not False)
     return await serve(request, state, facts, ctx, params, [prompt], renderer)

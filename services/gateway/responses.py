@@ -307,5 +307,6 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         params.skip_special_tokens = False
     renderer = ChatRenderer(state.upstream, False, tool_use.parser,
                             ForcedToolCalls(forced.function_name) if forced else None,
-                            reasoning=state.reasoning.tags if state.reasoning else None)
+                            reasoning=state.reasoning.tags if state.reasoning else None,
+                            parallel_tool_calls=body.parallel_tool_calls is not False)
     return await serve(request, state, facts, ctx, params, [prompt], ResponsesRenderer(body, renderer))

@@ -123,3 +123,17 @@ def test_tool_use_when_allowed():
     none = tool_use(None, tools=[WEATHER], tool_choice="none")  # the template still sees the tools
     assert none.tools == [WEATHER] and none.parser is None
     assert tool_use(None) == tool_use("hermes") and tool_use(None).parser is None
+
+
+def test_without_parallel_tool_calls_a_choice_keeps_its_first_call():
+    """As vLLM (its #26233): parallel_tool_calls false drops the calls after the first, streamed or not."""
+    renderer = ChatRenderer(upstream=None, with_logprobs=False, tool_parser="hermes", parallel_tool_calls=False)
+    full = renderer.full_choice(ChoiceResult(index=0, text=TWO_CALLS, finish_reason="stop"))
+    assert names_and_arguments(full["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    assert full["finish_reason"] == "tool_calls"
+    streamed = ChatRenderer(upstream=None, with_logprobs=False, tool_parser="hermes", parallel_tool_calls=False)
+    choices = [streamed.stream_choice(Step(index=0, text=piece, finish_reason=finish))
+               for piece, finish in ((TWO_CALLS[:90], None), (TWO_CALLS[90:], "stop"))]
+    calls = [call for choice in choices if choice for call in choice["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+    assert choices[-1]["finish_reason"] == "tool_calls"
