@@ -82,8 +82,6 @@ def _tokenizer_json_lookup(model_dir: Path) -> Callable[[str], int | None]:
     """token -> id from tokenizer.json's added tokens and vocabulary, without loading a tokenizer (from
     SentencePiece's tokenizer.model where that is all the checkpoint has)."""
     if not (model_dir / "tokenizer.json").is_file() and (model_dir / "tokenizer.model").is_file():
-        from services.tokenizer.sentencepiece_model import read_pieces
-
         pieces = {piece.piece: i for i, piece in enumerate(read_pieces(model_dir / "tokenizer.model").pieces)}
         return pieces.get
     tokenizer = read_json(model_dir / "tokenizer.json")
@@ -92,3 +90,12 @@ def _tokenizer_json_lookup(model_dir: Path) -> Callable[[str], int | None]:
     if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the position
         vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
     return lambda token: ids.get(token, vocab.get(token))
+
+
+def read_pieces(path: Path):
+    """A SentencePiece ``tokenizer.model``'s ``ModelProto`` (its pieces, trainer and normalizer specs)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(path.read_bytes())
+    return proto

@@ -16,17 +16,10 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, models, processors
 
+from services.common.checkpoint_facts import read_pieces
+
 _CONTROL, _USER_DEFINED = 3, 4  # SentencePiece's piece types (sentencepiece_model.proto)
 _BPE = 2  # TrainerSpec.model_type
-
-
-def read_pieces(path: Path):
-    """The model's ``ModelProto`` (its pieces, trainer and normalizer specs)."""
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(path.read_bytes())
-    return proto
 
 
 def tokenizer_from_sentencepiece(path: Path, tokenizer_config: Mapping[str, Any]) -> Tokenizer:
