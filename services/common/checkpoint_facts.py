@@ -6,8 +6,11 @@ so they cannot disagree.
 - **EOS ids**, as vLLM takes them: the tokenizer's `eos_token` (tokenizer_config.json, or a legacy
   special_tokens_map.json) first, then generation_config.json's `eos_token_id` (one id or a list);
   config.json's `eos_token_id` only when neither names one.
-- **Longest sequence**: config.json's `max_position_embeddings` (or its `text_config`'s), else the
-  tokenizer's `model_max_length` when it is set.
+- **Longest sequence**: config.json's `max_position_embeddings` (or its `text_config`'s), times the
+  rope scaling's `factor` as vLLM derives it (every scaling but `llama3` and `longrope`, whose
+  checkpoints state their extended length; `yarn` scales its `original_max_position_embeddings`):
+  a Llama-2 fine-tune with `max_position_embeddings` 4096 and linear scaling of 4 serves 16,384
+  tokens. Without it, the tokenizer's `model_max_length` when it is set.
 """
 
 import json
@@ -17,6 +20,9 @@ from typing import Any
 
 # transformers uses a huge `model_max_length` to mean "not set".
 _UNSET_MODEL_MAX_LENGTH = 10**12
+# Rope scalings whose checkpoints give their extended length as max_position_embeddings ("su" is longrope's
+# old name); vLLM's list.
+_SCALINGS_OF_STATED_LENGTH = ("llama3", "longrope", "su")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -70,12 +76,24 @@ def max_model_len(model_dir: str | Path) -> int:
     config = read_json(model_dir / "config.json")
     for section in (config, config.get("text_config") or {}):
         if section.get("max_position_embeddings"):
-            return int(section["max_position_embeddings"])
+            return _rope_scaled(int(section["max_position_embeddings"]), section)
     model_max_length = tokenizer_config(model_dir).get("model_max_length")
     if model_max_length and model_max_length < _UNSET_MODEL_MAX_LENGTH:
         return int(model_max_length)
     raise ValueError(f"{model_dir}: no max_position_embeddings in config.json and no model_max_length in "
                      f"tokenizer_config.json")
+
+
+def _rope_scaled(max_positions: int, config: Mapping[str, Any]) -> int:
+    """``max_positions`` as the config's rope scaling extends it (see the module's docstring); both the
+    transformers-5 ``rope_parameters`` and the older ``rope_scaling`` (``type`` or ``rope_type``)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type in _SCALINGS_OF_STATED_LENGTH or not rope.get("factor"):
+        return max_positions
+    if rope_type == "yarn":
+        max_positions = int(rope.get("original_max_position_embeddings") or max_positions)
+    return int(max_positions * float(rope["factor"]))
 
 
 def _tokenizer_json_lookup(model_dir: Path) -> Callable[[str], int | None]:

@@ -5,6 +5,7 @@ generation_config's), Mistral/Llama-2 (no generation_config, the eos in a legacy
 and config.json), and a tokenizer eos that generation_config does not list at all."""
 
 import json
+from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken, Tokenizer
@@ -65,6 +66,26 @@ def test_engine_and_tokenizer_agree_on_the_longest_sequence(tmp_path):
     neither = write_checkpoint(tmp_path / "neither", {"model_max_length": 10**30}, None, 2, max_positions=None)
     with pytest.raises(ValueError, match="no max_position_embeddings"):
         checkpoint_facts.max_model_len(neither)
+
+
+@pytest.mark.parametrize("rope, legacy, expected", [
+    ({"rope_type": "linear", "factor": 4.0}, True, 16384),  # vicuna-7b-v1.5-16k
+    ({"type": "linear", "factor": 4.0}, True, 16384),  # the older key
+    ({"rope_type": "dynamic", "factor": 2.0}, False, 8192),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, True, 4096),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 512}, False, 4096),  # Llama 3.1 states its extended length
+    ({"rope_type": "default"}, False, 4096),
+    (None, True, 4096),
+])
+def test_rope_scaling_extends_the_longest_sequence_as_vllm_derives_it(tmp_path, rope, legacy, expected):
+    model_dir = Path(write_checkpoint(tmp_path / "model", {"model_max_length": 100}, None, 2, max_positions=4096))
+    config = json.loads((model_dir / "config.json").read_text())
+    if rope is not None:
+        config["rope_scaling" if legacy else "rope_parameters"] = rope
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert checkpoint_facts.max_model_len(model_dir) == expected
+    assert CheckpointTokenizer.from_dir(model_dir).max_model_len == expected
 
 
 @pytest.mark.parametrize("text, message", [('{"temperature": 0.7,', "is not valid JSON"),

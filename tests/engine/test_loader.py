@@ -50,7 +50,7 @@ def test_qwen2_and_mistral_specifics(tmp_path):
     assert mistral.layer_sliding_windows == (64, 64) and not mistral.attention_bias
     assert mistral.resolve_max_model_len(None) == 256  # the window does not limit the context
     assert mistral.resolve_max_model_len(48) == 48
-    with pytest.raises(ValueError, match="max_position_embeddings 256"):
+    with pytest.raises(ValueError, match="longest sequence 256"):
         qwen.resolve_max_model_len(512)
 
 
@@ -94,6 +94,23 @@ def test_rope_frequencies_match_hf(tmp_path, rope):
         else (1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16)), 1.0)
     torch.testing.assert_close(ours, theirs)
     assert our_scaling == pytest.approx(their_scaling)
+
+
+@pytest.mark.parametrize("factor", [2.0, 4.0])
+def test_dynamic_ntk_rope_is_transformers_base_at_the_extended_length(tmp_path, factor):
+    """vLLM's dynamic NTK: one base for every position, the one transformers' dynamic rope reaches at
+    factor x max_position_embeddings (transformers keeps the original base below the original length)."""
+    path = write_checkpoint(tmp_path, "llama", rope_parameters={"rope_type": "dynamic", "factor": factor,
+                                                                "rope_theta": 1e4})
+    config = load_model_config(path)
+    ours, our_scaling = rope_inv_freq(config.rope, 16)
+    extended = int(256 * factor)
+    assert config.max_position_embeddings == extended  # as vLLM derives the longest sequence
+    theirs, their_scaling = ROPE_INIT_FUNCTIONS["dynamic"](AutoConfig.from_pretrained(path), "cpu", seq_len=extended)
+    torch.testing.assert_close(ours, theirs)
+    assert our_scaling == their_scaling == 1.0
+    original, _ = ROPE_INIT_FUNCTIONS["dynamic"](AutoConfig.from_pretrained(path), "cpu", seq_len=256)
+    assert not torch.allclose(ours, original)
 
 
 def test_sharded_load_fuses_projections(tmp_path):

@@ -12,7 +12,7 @@ from services.engine.models.quantized_weights import check_supported
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,12 +48,14 @@ class ModelConfig:
     quantization: dict | None = None  # config.json's quantization_config: its weights are dequantized at load
 
     def resolve_max_model_len(self, requested: int | None) -> int:
-        """The context length to serve: ``max_position_embeddings`` unless a shorter one is requested."""
+        """The context length to serve: ``max_position_embeddings`` (the longest sequence, rope scaling
+        included: `checkpoint_facts.max_model_len`) unless a shorter one is requested."""
         if requested is None:
             return self.max_position_embeddings
         if requested > self.max_position_embeddings:
-            raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings "
-                             f"{self.max_position_embeddings}; lower it")
+            raise ValueError(f"--max-model-len {requested} exceeds the model's longest sequence "
+                             f"{self.max_position_embeddings} (max_position_embeddings, and its rope scaling); "
+                             f"lower it")
         return requested
 
     def resolve_dtype(self, dtype: str, device: torch.device | str) -> torch.dtype:
@@ -127,7 +129,7 @@ def _parse_rope(hf: dict, config_path: Path) -> RopeConfig:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r} in {config_path}; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type in ("llama3", "yarn"):
+    if rope_type in ("llama3", "yarn", "dynamic"):
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor is not supported ({config_path})")

@@ -1,5 +1,5 @@
 """Rotary position embedding (the GPT-NeoX "rotate half" layout that HF Llama uses), with the
-default, linear, llama3 and yarn frequency schedules."""
+default, linear, dynamic (NTK), llama3 and yarn frequency schedules."""
 
 import math
 
@@ -18,11 +18,23 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
         return inv_freq, 1.0
     if rope.rope_type == "linear":
         return inv_freq / p["factor"], 1.0
+    if rope.rope_type == "dynamic":
+        return _dynamic_ntk_inv_freq(rope.theta, head_dim, p), 1.0
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, p), 1.0
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(rope.theta, head_dim, p)
     raise ValueError(f"unsupported rope type {rope.rope_type!r}")
+
+
+def _dynamic_ntk_inv_freq(theta: float, head_dim: int, p: dict) -> torch.Tensor:
+    """Dynamic NTK scaling as vLLM serves it: one base for every position, the one transformers' dynamic
+    rope reaches at the extended length (``factor`` x the original ``max_position_embeddings``). transformers
+    itself keeps the original base up to that original length and raises it with the sequence's length
+    beyond, which keys already in a KV cache cannot follow."""
+    factor = p["factor"]
+    base = theta * (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
