@@ -37,7 +37,9 @@ class EngineConfig:
     max_num_seqs: int = flag(64, "most sequences per step (default: %(default)s)")
     max_num_batched_tokens: int = flag(2048, "token budget of one step, prefill and decode together "
                                              "(default: %(default)s)")
-    max_model_len: int | None = flag(None, "longest prompt + output (default: the model's max_position_embeddings)")
+    max_model_len: int | None = flag(None, "longest prompt + output (default: the checkpoint's longest sequence, "
+                                           "max_position_embeddings with its rope scaling, or what the KV pool holds "
+                                           "where that is less)")
     enable_prefix_caching: bool = flag(True, "automatic prefix caching (default: on)",
                                        action=argparse.BooleanOptionalAction)
     prefix_cache_hash_seed: int = flag(DEFAULT_HASH_SEED, "seed of the block hashes; must match the router's "

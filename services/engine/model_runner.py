@@ -83,10 +83,10 @@ class ModelRunner:
             use_inductor_cache_dir()
         self.max_model_len = mc.resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
+        self.num_kv_blocks = self._decide_num_kv_blocks()  # (may lower max_model_len: see there)
         self.attention = get_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
                                                mc.head_dim, self.dtype, self.device, config.block_size)
         self.model = load_model(config.model, mc, self.attention, self.max_model_len, self.dtype, self.device)
-        self.num_kv_blocks = self._decide_num_kv_blocks()
         self.graphs = None if config.enforce_eager else self._decode_graphs()
         self.scratch_block = self.num_kv_blocks  # padding rows' K/V; only with graphs
         pool_shape = (self.num_kv_blocks + (self.graphs is not None), self.block_size, mc.num_kv_heads, mc.head_dim)
@@ -339,17 +339,35 @@ class ModelRunner:
 
     def _decide_num_kv_blocks(self) -> int:
         """``num_kv_blocks`` when given; else what ``kv_cache_memory_bytes`` holds, capped at enough for
-        ``max_num_seqs`` requests of ``max_model_len`` tokens."""
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        ``max_num_seqs`` requests of ``max_model_len`` tokens.
+
+        Where that memory holds less than one request of the checkpoint's longest sequence and no
+        ``--max-model-len`` was asked for (a long-context checkpoint: Llama 3.1's 131,072 tokens take
+        16 GiB of bfloat16 K/V at 8B), the engine serves the longest sequence the pool holds and says
+        so, as TGI sizes its context to its memory; an explicit ``--max-model-len`` that does not fit
+        is refused with that length, as vLLM refuses it."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         mc = self.model_config
         bytes_per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
                            * torch.empty(0, dtype=self.dtype).element_size())
         memory = self.config.kv_cache_memory_bytes
-        num_blocks = min(memory // bytes_per_block, self.config.max_num_seqs * blocks_per_seq)
-        if num_blocks < blocks_per_seq:
-            raise ValueError(f"--kv-cache-memory-bytes {memory} holds {num_blocks} KV blocks, "
-                             f"fewer than the {blocks_per_seq} one request of --max-model-len {self.max_model_len} "
-                             f"needs; raise it or lower --max-model-len")
-        return int(num_blocks)
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        held = memory // bytes_per_block
+        if held < blocks_per_seq:
+            longest = int(held * self.block_size)
+            problem = (f"--kv-cache-memory-bytes {memory} ({_size(memory)}) holds {held} KV blocks of "
+                       f"{self.block_size} tokens, {longest} tokens, less than one request of {self.max_model_len} "
+                       f"tokens needs ({_size(blocks_per_seq * bytes_per_block)})")
+            if self.config.max_model_len is not None or longest < self.block_size:
+                raise ValueError(f"{problem}; the estimated maximum model length is {longest}: raise "
+                                 f"--kv-cache-memory-bytes or lower --max-model-len")
+            log.warning("%s: serving a max model len of %d tokens instead of the checkpoint's %d; raise "
+                        "--kv-cache-memory-bytes to serve longer sequences", problem, longest, self.max_model_len)
+            self.max_model_len, blocks_per_seq = longest, held
+        return int(min(held, self.config.max_num_seqs * blocks_per_seq))
+
+
+def _size(num_bytes: int) -> str:
+    """``num_bytes`` in GiB, or MiB below one GiB."""
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.2f} MiB"

@@ -124,8 +124,35 @@ def test_runner_reports_model_facts(tmp_path):
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, block 16, 2 kv heads, head_dim 16, fp32
     assert runner.num_kv_blocks == min((1 << 20) // bytes_per_block, 2 * 256 // 16)
     assert runner.kv_caches[0][0].shape == (runner.num_kv_blocks, 16, 2, 16)
-    with pytest.raises(ValueError, match="kv-cache-memory-bytes"):
-        ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=4096))
+
+    # A pool that cannot hold the checkpoint's longest sequence: served shorter unless one was asked for
+    fitted = ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=3 * bytes_per_block + 5,
+                                      enforce_eager=True))
+    assert fitted.max_model_len == 48 and fitted.num_kv_blocks == 3
+    with pytest.raises(ValueError, match="holds 3 KV blocks of 16 tokens, 48 tokens, less than one request of 256 "
+                                         "tokens .*estimated maximum model length is 48"):
+        ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=3 * bytes_per_block,
+                                 max_model_len=256))
+    with pytest.raises(ValueError, match="holds 0 KV blocks"):
+        ModelRunner(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=bytes_per_block - 1))
+
+
+def test_an_engine_fitted_to_its_pool_serves_and_refuses_by_that_length(tmp_path):
+    from services.common.errors import InvalidRequestError
+    from services.engine.engine_core import EngineCore
+
+    path = write_checkpoint(tmp_path, "llama", max_position_embeddings=256)
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4
+    core = EngineCore(EngineConfig(model=str(path), block_size=16, kv_cache_memory_bytes=4 * bytes_per_block,
+                                   enforce_eager=True))
+    assert core.max_model_len == core.scheduler.max_model_len == 64
+    with pytest.raises(InvalidRequestError, match="maximum context length is 64 tokens"):
+        core.validate(list(range(3, 67)), SamplingParams(max_tokens=1))
+    core.add_request("fits", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    assert sum(len(o.new_token_ids) for o in outputs) == 24 and outputs[-1].finished
 
 
 def test_kv_pools_lie_at_different_offsets_in_their_pages(tmp_path):
