@@ -2,6 +2,7 @@
 ``strata gateway ...``). Flags are named like ``vllm serve``'s where the meaning is the same."""
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
 from services.gateway.access_log import quiet_probes
-from services.gateway.app import MAX_BODY_BYTES_LIMIT, GatewayConfig, create_app
+from services.gateway.app import MAX_BODY_BYTES_LIMIT, CorsPolicy, GatewayConfig, create_app
 from services.gateway.reasoning import REASONING_PARSERS
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS
 from services.gateway.validation import Limits
@@ -63,6 +64,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="the model thinks before it answers; its thinking goes to chat messages' reasoning "
                              "(deepseek_r1: <think>...</think>, DeepSeek-R1 and its distills, QwQ) (default: none)")
+    cors = CorsPolicy()
+    parser.add_argument("--allowed-origins", type=_json_strings, default=list(cors.allowed_origins),
+                        help="JSON list of the origins whose web pages may call the API (CORS), as vLLM's flag "
+                             "(default: %(default)s)")
+    parser.add_argument("--allowed-methods", type=_json_strings, default=list(cors.allowed_methods),
+                        help="JSON list of the methods they may use (default: %(default)s)")
+    parser.add_argument("--allowed-headers", type=_json_strings, default=list(cors.allowed_headers),
+                        help="JSON list of the headers they may send (default: %(default)s)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="let them send cookies and HTTP auth with their requests (default: off)")
     add_logging_args(parser)
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -96,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                           max_sequences_per_request=args.max_sequences_per_request),
             request_timeout_s=args.request_timeout, max_concurrent_requests=args.max_concurrent_requests,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-            reasoning_parser=args.reasoning_parser, tls=args.tls)
+            reasoning_parser=args.reasoning_parser, tls=args.tls,
+            cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                            args.allow_credentials))
     except ValueError as error:
         raise SystemExit(f"strata gateway: {error}")
     app = create_app(config)
@@ -107,6 +120,17 @@ def main(argv: list[str] | None = None) -> int:
                              app.state.drain, args.shutdown_timeout)
     server.run()
     return 0
+
+
+def _json_strings(text: str) -> list[str]:
+    """A flag's JSON list of strings ('["http://localhost:3000"]'), as vLLM's CORS flags take them."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings, not {text!r}")
+    return value
 
 
 class _DrainingServer(uvicorn.Server):

@@ -6,6 +6,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 
@@ -37,6 +38,20 @@ MAX_BODY_BYTES_LIMIT = MAX_MESSAGE_BYTES // 4
 
 
 @dataclass(frozen=True)
+class CorsPolicy:
+    """Which browser pages may call the API (CORS), with vLLM's defaults: any origin, method and header,
+    no credentials. A browser client (the openai package in a web page, a chat UI calling the API from
+    the page) sends a preflight OPTIONS first; it is answered before the API key is checked, as a
+    browser sends none with it, and every answer, a 401 or a 503 included, carries the headers that
+    let the page read it."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     tokenizer_addr: str
     engine_addr: str
@@ -51,6 +66,7 @@ class GatewayConfig:
     max_concurrent_requests: int = 1024  # generation requests in progress at once; more get 503
     stream_headers_timeout_s: float = 0.5  # longest a stream's headers wait for its first token
     tls: TlsFiles | None = None  # to the tokenizer and the engine/router (services.common.tls)
+    cors: CorsPolicy = CorsPolicy()
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -147,8 +163,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     # Outermost last: the request id covers every response, 401 and 413 included; errors are
-    # counted and durations observed whoever answers, the boundary's 500 included; a request is authenticated before
-    # it takes an admission slot, and refused for overload before its body is read.
+    # counted and durations observed whoever answers, the boundary's 500 included; CORS preflights are
+    # answered before authentication, and CORS headers go on every answer inside it; a request is
+    # authenticated before it takes an admission slot, and refused for overload before its body is read.
     app.add_middleware(ErrorBoundaryMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.limits.max_body_bytes)
     app.add_middleware(AdmissionMiddleware, max_concurrent_requests=config.max_concurrent_requests,
@@ -156,6 +173,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.drain = drain
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    cors = config.cors
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
+                       allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
     app.add_middleware(ErrorCountMiddleware, counter=metrics.request_errors)
     paths = frozenset(route.path for route in [*chat.router.routes, *completions.router.routes,
                                                *tokenize.router.routes, *app.routes]

@@ -54,6 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gateway.add_argument("--tool-call-parser", help="the model's tool-call format, e.g. hermes (default: none)")
     gateway.add_argument("--reasoning-parser", help="the model's thinking format, e.g. deepseek_r1: chat messages "
                                                     "carry it as reasoning (default: none)")
+    gateway.add_argument("--allowed-origins", help="JSON list of the origins whose web pages may call the API "
+                                                   "(CORS), as vLLM's flag (default: any)")
+    gateway.add_argument("--allowed-methods", help="JSON list of the methods they may use (default: any)")
+    gateway.add_argument("--allowed-headers", help="JSON list of the headers they may send (default: any)")
+    gateway.add_argument("--allow-credentials", action="store_true",
+                         help="let them send cookies and HTTP auth (default: off)")
     gateway.add_argument("--gateway-args", default="",
                          help="more gateway flags, one quoted string, e.g. \"--max-n 4\" (default: none)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
@@ -125,6 +131,11 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser is not None:
         flags += ["--reasoning-parser", args.reasoning_parser]
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    if args.allow_credentials:
+        flags.append("--allow-credentials")
     return flags + shlex.split(args.gateway_args)
 
 

@@ -69,6 +69,8 @@ def test_gateway_flags_pass_through():
     assert gateway_flags(args) == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-n", "4"]
     assert gateway_flags(parse_args([])) == []
     assert gateway_flags(parse_args(["--reasoning-parser", "deepseek_r1"])) == ["--reasoning-parser", "deepseek_r1"]
+    assert gateway_flags(parse_args(["--allowed-origins", '["http://a"]', "--allow-credentials"])) == [
+        "--allowed-origins", '["http://a"]', "--allow-credentials"]
 
 
 def test_tokenizer_flags_pass_through():
