@@ -15,6 +15,32 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """A count flag as vLLM reads one: ``32768``, or a number with a suffix, decimal in lower case
+    (``25.6k``: 25,600; ``m``, ``g``, ``t``) or binary in upper case (``32K``: 32,768; ``M``, ``G``, ``T``,
+    whole numbers only)."""
+    value = text.strip()
+    suffix = value[-1:]
+    try:
+        if suffix in _DECIMAL_SUFFIXES:
+            return int(float(value[:-1]) * _DECIMAL_SUFFIXES[suffix])
+        if suffix in _BINARY_SUFFIXES:
+            return int(value[:-1]) * _BINARY_SUFFIXES[suffix]
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number, nor one with a suffix (25.6k = 25,600, 32K = 32,768)") from None
+
+
+def human_readable_int_or_auto(text: str) -> int | None:
+    """`human_readable_int`, or None (the engine decides) for ``auto`` or ``-1``, as vLLM's --max-model-len."""
+    return None if text.strip().lower() in ("auto", "-1") else human_readable_int(text)
+
+
 def flag(default, help: str, **argparse_kwargs) -> field:
     """A field with a default that is also an engine flag: ``help`` is its help text ("%(default)s"
     reads the default), ``argparse_kwargs`` what `add_argument` needs beyond the flag's type and
@@ -32,14 +58,16 @@ class EngineConfig:
     block_size: int = flag(16, "tokens per KV block (default: %(default)s)")
     num_kv_blocks: int | None = flag(None, "KV blocks in the pool (default: from --kv-cache-memory-bytes)")
     kv_cache_memory_bytes: int = flag(KV_CACHE_MEMORY_BYTES,
-                                      "memory for the KV pool when --num-kv-blocks is not given "
-                                      f"(default: %(default)s bytes, {KV_CACHE_MEMORY_BYTES >> 30} GiB)")
+                                      "memory for the KV pool when --num-kv-blocks is not given, in bytes or "
+                                      f"as 4G (default: %(default)s bytes, {KV_CACHE_MEMORY_BYTES >> 30} GiB)",
+                                      type=human_readable_int)
     max_num_seqs: int = flag(64, "most sequences per step (default: %(default)s)")
     max_num_batched_tokens: int = flag(2048, "token budget of one step, prefill and decode together "
-                                             "(default: %(default)s)")
-    max_model_len: int | None = flag(None, "longest prompt + output (default: the checkpoint's longest sequence, "
-                                           "max_position_embeddings with its rope scaling, or what the KV pool holds "
-                                           "where that is less)")
+                                             "(default: %(default)s)", type=human_readable_int)
+    max_model_len: int | None = flag(None, "longest prompt + output, as 32768 or 32K (default, or auto: the "
+                                           "checkpoint's longest sequence, max_position_embeddings with its rope "
+                                           "scaling, or what the KV pool holds where that is less)",
+                                     type=human_readable_int_or_auto)
     enable_prefix_caching: bool = flag(True, "automatic prefix caching (default: on)",
                                        action=argparse.BooleanOptionalAction)
     prefix_cache_hash_seed: int = flag(DEFAULT_HASH_SEED, "seed of the block hashes; must match the router's "
@@ -74,6 +102,10 @@ class EngineConfig:
                                           "dequantized as they load (default: the checkpoint's)")
     trust_remote_code: bool = flag(False, "accepted for vLLM's command lines: Strata runs no code from a checkpoint, "
                                           "so it changes nothing (default: off)", action="store_true")
+    tensor_parallel_size: int = flag(1, "accepted for vLLM's command lines at 1: an engine holds one whole copy of "
+                                        "the model (more copies: strata up --replicas N) (default: %(default)s)")
+    kv_cache_dtype: str = flag("auto", "the KV cache's dtype, as vLLM's flag: auto, the model's dtype (no fp8 K/V "
+                                       "here) (default: %(default)s)")
     # Requests that may wait beyond a full running batch before new ones are refused (RESOURCE_EXHAUSTED);
     # None: 4 x max_num_seqs, so the last in line waits about four batch turnovers; -1: unbounded.
     max_waiting_requests: int | None = flag(
@@ -90,6 +122,10 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1 (or auto), got {self.max_model_len}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"--kv-cache-memory-bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.stream_interval < 1:
@@ -100,3 +136,9 @@ class EngineConfig:
             raise ValueError(f"--max-waiting-requests must be >= 0 (or -1: unbounded), got {self.max_waiting_requests}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: an engine holds the whole model "
+                             "on one device; serve more copies with strata up --replicas N")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: the KV cache takes the model's dtype "
+                             "(auto); fp8 K/V is not supported")

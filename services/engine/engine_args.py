@@ -25,7 +25,7 @@ def _value_type(config_field: Field) -> type:
 def _argparse_kwargs(config_field: Field) -> dict:
     kwargs = dict(config_field.metadata)
     if "action" not in kwargs:
-        kwargs["type"] = _value_type(config_field)
+        kwargs.setdefault("type", _value_type(config_field))  # a field may name its own (human_readable_int)
     return kwargs
 
 

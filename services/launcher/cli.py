@@ -23,7 +23,8 @@ from services.launcher.stack import Stack, StartupError
 # --enable-prefix-caching); any other engine flag goes through --engine-args
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
                 "max_logprobs", "seed", "dtype", "device", "attention_backend", "generation_config",
-                "override_generation_config", "quantization")
+                "override_generation_config", "quantization", "enforce_eager", "stream_interval",
+                "tensor_parallel_size", "kv_cache_dtype")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,7 +110,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ENGINE_FLAGS:
         value = getattr(args, name)
-        if value is not None:
+        if value is True:  # a switch (--enforce-eager)
+            flags.append(f"--{name.replace('_', '-')}")
+        elif value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if args.enable_prefix_caching is not None:
         flags.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")

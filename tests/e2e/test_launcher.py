@@ -62,6 +62,13 @@ def test_engine_flags_pass_through():
                                   "--no-enable-prefix-caching", "--block-size", "32", "--seed", "3"]
     vllm_style = parse_args(["--quantization", "awq", "--trust-remote-code"])
     assert engine_flags(vllm_style) == ["--quantization", "awq", "--trust-remote-code"]
+    counts = parse_args(["--max-model-len", "32K", "--max-num-batched-tokens", "4k"])
+    assert engine_flags(counts) == ["--max-num-batched-tokens", "4000", "--max-model-len", "32768"]
+    assert engine_flags(parse_args(["--max-model-len", "auto"])) == []  # the engine's own choice
+    vllm_flags = parse_args(["--enforce-eager", "--stream-interval", "4", "--tensor-parallel-size", "1",
+                             "--kv-cache-dtype", "auto"])
+    assert engine_flags(vllm_flags) == ["--enforce-eager", "--stream-interval", "4", "--tensor-parallel-size", "1",
+                                        "--kv-cache-dtype", "auto"]
 
 
 def test_gateway_flags_pass_through():
