@@ -127,6 +127,9 @@ class DecodeGraphs(BucketedGraphs):
         ``run_padding_step(bucket)``, which must run ``run`` on a batch of ``bucket`` padding rows.
         Raises what compilation raises."""
         started = time.perf_counter()
+        log.info("compiling %d decode graphs (%s tokens), largest first: minutes on a first start, seconds once "
+                 "they are cached in %s (--enforce-eager: none)", len(self.buckets),
+                 ", ".join(str(b) for b in reversed(self.buckets)), inductor_cache_dir())
         for i, bucket in enumerate(reversed(self.buckets)):
             bucket_started = time.perf_counter()
             run_padding_step(bucket)

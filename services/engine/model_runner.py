@@ -1,6 +1,7 @@
 """Runs one scheduled step: builds the flat batch, runs the model over the paged KV cache, samples."""
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,7 +87,10 @@ class ModelRunner:
         self.num_kv_blocks = self._decide_num_kv_blocks()  # (may lower max_model_len: see there)
         self.attention = get_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
                                                mc.head_dim, self.dtype, self.device, config.block_size)
+        loading = time.perf_counter()
         self.model = load_model(config.model, mc, self.attention, self.max_model_len, self.dtype, self.device)
+        log.info("loaded %s in %s in %.1f s", config.model, str(self.dtype).removeprefix("torch."),
+                 time.perf_counter() - loading)
         self.graphs = None if config.enforce_eager else self._decode_graphs()
         self.scratch_block = self.num_kv_blocks  # padding rows' K/V; only with graphs
         pool_shape = (self.num_kv_blocks + (self.graphs is not None), self.block_size, mc.num_kv_heads, mc.head_dim)

@@ -98,8 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="every service's --log-format: text, or json (one object per line, with trace and "
                              "request ids) (default: text)")
     parser.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout_s,
-                        help="seconds the services may take to become healthy, the built-in model's first build "
-                             "and the engine's graph compilation included (default: %(default)s)")
+                        help="seconds the services may take to become healthy, the built-in model's first build, "
+                             "a large checkpoint's load and the engine's first graph compilation included (a "
+                             "service that fails is named at once) (default: %(default)s)")
     parser.add_argument("--grace", type=float, default=defaults.grace_s,
                         help="seconds the stack may take to stop after Ctrl-C/SIGTERM: running streams finish "
                              "first (the drain), then SIGKILL; a second Ctrl-C stops at once (default: %(default)s)")

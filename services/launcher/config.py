@@ -20,7 +20,9 @@ class StackConfig:
     gateway_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     echo_logs: bool = True
-    startup_timeout_s: float = 300.0
+    # A large checkpoint loads for minutes and its graphs compile for minutes more on a first start (a
+    # 32-layer model's nine graphs took 175 s on 2 cores); a service that fails exits and is named at once.
+    startup_timeout_s: float = 900.0
     grace_s: float = 70.0  # to stop: running streams finish first (engines drain up to their --shutdown-timeout)
     cache_dir: Path | None = None  # where the default model is built (None: its own default)
     replicas: int = 1  # engine replicas; more than one puts a router (and NATS, when installed) in front
