@@ -25,6 +25,13 @@ Steps are still padded to buckets: at decode batch sizes the projections cost th
 reads, whatever the rows, and the buckets are the shapes a CUDA-graph variant captures in ``capture``
 and replays in ``run``.
 
+A graph runs on the threads it was compiled for. Inductor writes the thread count into its C++ loops,
+and dynamo guards the compiled code on it: a step that ran on another count (the engine's thread
+governor resizes the team under load, ``threads.ThreadGovernor``) compiled the whole forward anew, in the
+middle of serving (18.7 s for the small shape on 2 cores, measured; minutes for a larger model), once per
+count. So ``run`` puts the team back to the captured size for the graph's own step, and the governed size
+after it.
+
 Graphs are compiled at start-up (``capture``), one progress line per bucket, and inductor's FX-graph
 and AOTAutograd caches live on disk (``TORCHINDUCTOR_CACHE_DIR``, by default
 ``$STRATA_CACHE_DIR/inductor`` or ``~/.cache/strata/inductor``): a second start loads the generated
@@ -115,6 +122,7 @@ class DecodeGraphs(BucketedGraphs):
     def __init__(self, forward: Forward, attention: AttentionBackend, buckets: Sequence[int]) -> None:
         super().__init__(buckets)
         self.attention = attention
+        self.num_threads: int | None = None  # the team the graphs were compiled for (capture's)
         import torch._dynamo
 
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _GRAPHS_PER_CODE_OBJECT)
@@ -127,6 +135,7 @@ class DecodeGraphs(BucketedGraphs):
         ``run_padding_step(bucket)``, which must run ``run`` on a batch of ``bucket`` padding rows.
         Raises what compilation raises."""
         started = time.perf_counter()
+        self.num_threads = torch.get_num_threads()
         log.info("compiling %d decode graphs (%s tokens), largest first: minutes on a first start, seconds once "
                  "they are cached in %s (--enforce-eager: none)", len(self.buckets),
                  ", ".join(str(b) for b in reversed(self.buckets)), inductor_cache_dir())
@@ -146,5 +155,12 @@ class DecodeGraphs(BucketedGraphs):
         if input_ids.shape[0] > 1:  # one graph for the buckets from 2 tokens up, split where the code branches
             torch._dynamo.maybe_mark_dynamic(input_ids, 0)
             torch._dynamo.maybe_mark_dynamic(positions, 0)
-        with attention_step(self.attention, metadata):
-            return self._compiled(input_ids, positions, kv_caches, metadata)
+        governed = torch.get_num_threads()
+        if self.num_threads is not None and governed != self.num_threads:
+            torch.set_num_threads(self.num_threads)  # else dynamo compiles the forward again (see above)
+        try:
+            with attention_step(self.attention, metadata):
+                return self._compiled(input_ids, positions, kv_caches, metadata)
+        finally:
+            if torch.get_num_threads() != governed:
+                torch.set_num_threads(governed)

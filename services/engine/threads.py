@@ -151,7 +151,9 @@ class ThreadGovernor:
 
     Every step runs on the governed team, prefills included: fewer threads than cores means their
     cores were taken, and a prefill's matrix products (oneDNN splits them evenly between the threads)
-    wait for a thread that lost its core as a decode step does. Called by the thread that runs the
+    wait for a thread that lost its core as a decode step does. The one exception is a step that runs
+    a compiled graph, which runs on the team it was compiled for (``compiled_forward``: another count
+    would compile it again). Called by the thread that runs the
     model (OpenMP's team size is per thread): ``before_step`` and ``after_step`` around every step.
     """
 

@@ -172,3 +172,24 @@ def test_enforce_eager_builds_no_graphs(checkpoint):
     runner.warmup()
     assert runner.graphs is None and not runner.is_captured
     assert runner.kv_caches[0][0].shape[0] == NUM_KV_BLOCKS  # no scratch block
+
+
+def test_a_step_on_a_resized_team_runs_the_graph_compiled_at_start(runners):
+    """The thread governor resizes the team under load; dynamo guards compiled code on the thread count,
+    so a graph step on another count compiled the whole forward again in the middle of serving. It runs
+    on the captured count instead, and the governed count is back for the steps after it."""
+    compiled, _ = runners
+    captured = compiled.graphs.num_threads
+    governed = 1 if captured > 1 else 2
+    (decoding,), (table,) = prefilled_requests(runners, [15])
+    prompt = Request("q", [11, 12, 13, 14, 15, 16], SamplingParams(temperature=0.0))
+    prompt.num_computed_tokens = 2
+    step = SchedulerOutput([ScheduledChunk(decoding, 1, table), ScheduledChunk(prompt, 4, [50, 51])])
+    graphs_before = counters["stats"]["unique_graphs"]
+    torch.set_num_threads(governed)
+    try:
+        assert_same_step(runners, step, compiled.dtype)
+        assert torch.get_num_threads() == governed
+    finally:
+        torch.set_num_threads(captured)
+    assert counters["stats"]["unique_graphs"] == graphs_before  # no recompilation
