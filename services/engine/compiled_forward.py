@@ -34,7 +34,7 @@ after it.
 
 Graphs are compiled at start-up (``capture``), one progress line per bucket, and inductor's FX-graph
 and AOTAutograd caches live on disk (``TORCHINDUCTOR_CACHE_DIR``, by default
-``$STRATA_CACHE_DIR/inductor`` or ``~/.cache/strata/inductor``): a second start loads the generated
+``$STRATA_CACHE_DIR/inductor/g2`` or ``~/.cache/strata/inductor/g2``): a second start loads the generated
 code and its compiled C++ from there, but still traces the model with dynamo. Measured (small shape,
 bfloat16, --max-num-seqs 8, shared machine): warmup with compilation 254 s on the first start,
 6.6 s on the second.
@@ -68,13 +68,19 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(size for size in CAPTURE_SIZES if size < max_num_seqs) + (max_num_seqs,)
 
 
+# Bumped when graphs an earlier Strata compiled must not be reused: inductor's cache key does not cover
+# everything a graph depends on. 2: the CPU KV pools stopped being views of one arena tensor
+# (memory_arena), which the key does not see, and the graphs cached for views copy the pools each step.
+GRAPH_CACHE_GENERATION = 2
+
+
 def inductor_cache_dir() -> str:
     """Where inductor caches compiled graphs: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else
-    ``$STRATA_CACHE_DIR/inductor`` or ``~/.cache/strata/inductor``."""
+    ``$STRATA_CACHE_DIR/inductor/g<generation>`` or ``~/.cache/strata/inductor/g<generation>``."""
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return os.environ["TORCHINDUCTOR_CACHE_DIR"]
     root = os.environ.get("STRATA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
-    return os.path.join(root, "inductor")
+    return os.path.join(root, "inductor", f"g{GRAPH_CACHE_GENERATION}")
 
 
 def use_inductor_cache_dir() -> None:

@@ -63,33 +63,46 @@ def _aligned(nbytes: int, alignment: int = ALIGNMENT) -> int:
 
 
 class Arena:
-    """One block of memory cut into tensors in turn, each ALIGNMENT-aligned: on huge pages (a private
-    anonymous mapping advised for them, from a huge page boundary) where ``huge_pages_available()``,
-    else plain memory. Its tensors hold the memory: it lives while any of them does."""
+    """One block of memory (a private anonymous mapping) cut into tensors in turn, each
+    ALIGNMENT-aligned: on huge pages (advised for them, from a huge page boundary) where
+    ``huge_pages_available()``, else plain pages. Its tensors hold the memory: it lives while any of
+    them does.
+
+    Each tensor has a storage of its own over its part of the mapping and is not a view: torch.compile
+    handles a graph input that it writes (a step storing its new K/V into a pool) through the input's
+    base, and with every pool a view of the arena's one tensor, the compiled step copied the arena up
+    to each layer's pool and wrote it back, every call: the small shape's one-token step took 405 ms
+    with 8 sequences' pools and 811 ms with 16's, against 3.3 ms eager (2 cores, bfloat16).
+    """
 
     def __init__(self, nbytes: int) -> None:
-        if huge_pages_available():
-            size = math.ceil(max(nbytes, 1) / HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES + HUGE_PAGE_BYTES  # room to align
-            mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-            self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps a reference to the mapping
-            self._used = (-self._bytes.data_ptr()) % HUGE_PAGE_BYTES
-        else:
-            self._bytes = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
-            self._used = (-self._bytes.data_ptr()) % PAGE_BYTES
+        huge = huge_pages_available()
+        page = HUGE_PAGE_BYTES if huge else PAGE_BYTES
+        self._size = math.ceil(max(nbytes, 1) / page) * page + page  # room to align
+        self._mapping = mmap.mmap(-1, self._size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge:
+            self._mapping.madvise(mmap.MADV_HUGEPAGE)
+        self._address = torch.frombuffer(self._mapping, dtype=torch.uint8, count=1).data_ptr()
+        self._used = (-self._address) % page
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, page_offset: int | None = None) -> torch.Tensor:
         """A new contiguous tensor, next in the arena; ``page_offset``: at that many bytes (a multiple of
-        ALIGNMENT) past the start of a 4 KiB page. Fresh memory: zero on huge pages, else undefined."""
+        ALIGNMENT) past the start of a 4 KiB page. Fresh memory: zero."""
         nbytes = math.prod(shape) * dtype.itemsize
         start = _aligned(self._used)
         if page_offset is not None:  # of the address, not of the arena's own start
-            offset = (page_offset - self._bytes.data_ptr()) % PAGE_BYTES
+            offset = (page_offset - self._address) % PAGE_BYTES
             start = _aligned(start - offset, PAGE_BYTES) + offset
-        if start + nbytes > self._bytes.numel():
-            raise ValueError(f"arena full: {nbytes} bytes asked, {self._bytes.numel() - start} left")
+        if start + nbytes > self._size:
+            raise ValueError(f"arena full: {nbytes} bytes asked, {self._size - start} left")
         self._used = start + nbytes
-        return self._bytes[start:start + nbytes].view(dtype).view(shape)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        # A storage of its own (see the class's docstring; it keeps a reference to the mapping), and a
+        # tensor that is not a view either: torch.compile handles a written input that views a base
+        # through that base.
+        storage = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes, offset=start).untyped_storage()
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def copies_in_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
