@@ -82,9 +82,9 @@ class ModelRunner:
         self.dtype = mc.resolve_dtype(config.dtype, self.device)
         if not config.enforce_eager:
             use_inductor_cache_dir()
-        self.max_model_len = mc.resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
-        self.num_kv_blocks = self._decide_num_kv_blocks()  # (may lower max_model_len: see there)
+        self.num_kv_blocks, self.max_model_len = self._kv_pool_and_max_model_len(
+            mc.resolve_max_model_len(config.max_model_len))
         self.attention = get_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
                                                mc.head_dim, self.dtype, self.device, config.block_size)
         loading = time.perf_counter()
@@ -341,9 +341,10 @@ class ModelRunner:
         return [(torch.zeros(pool_shape, dtype=self.dtype, device=self.device),
                  torch.zeros(pool_shape, dtype=self.dtype, device=self.device)) for _ in range(num_layers)]
 
-    def _decide_num_kv_blocks(self) -> int:
-        """``num_kv_blocks`` when given; else what ``kv_cache_memory_bytes`` holds, capped at enough for
-        ``max_num_seqs`` requests of ``max_model_len`` tokens.
+    def _kv_pool_and_max_model_len(self, max_model_len: int) -> tuple[int, int]:
+        """The KV blocks in the pool and the longest sequence served (``max_model_len``, the requested or
+        the checkpoint's). The blocks: ``num_kv_blocks`` when given; else what ``kv_cache_memory_bytes``
+        holds, capped at enough for ``max_num_seqs`` requests of the longest sequence.
 
         Where that memory holds less than one request of the checkpoint's longest sequence and no
         ``--max-model-len`` was asked for (a long-context checkpoint: Llama 3.1's 131,072 tokens take
@@ -351,25 +352,25 @@ class ModelRunner:
         so, as TGI sizes its context to its memory; an explicit ``--max-model-len`` that does not fit
         is refused with that length, as vLLM refuses it."""
         if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+            return self.config.num_kv_blocks, max_model_len
         mc = self.model_config
         bytes_per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
                            * torch.empty(0, dtype=self.dtype).element_size())
         memory = self.config.kv_cache_memory_bytes
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        blocks_per_seq = -(-max_model_len // self.block_size)
         held = memory // bytes_per_block
         if held < blocks_per_seq:
             longest = int(held * self.block_size)
             problem = (f"--kv-cache-memory-bytes {memory} ({_size(memory)}) holds {held} KV blocks of "
-                       f"{self.block_size} tokens, {longest} tokens, less than one request of {self.max_model_len} "
+                       f"{self.block_size} tokens, {longest} tokens, less than one request of {max_model_len} "
                        f"tokens needs ({_size(blocks_per_seq * bytes_per_block)})")
             if self.config.max_model_len is not None or longest < self.block_size:
                 raise ValueError(f"{problem}; the estimated maximum model length is {longest}: raise "
                                  f"--kv-cache-memory-bytes or lower --max-model-len")
             log.warning("%s: serving a max model len of %d tokens instead of the checkpoint's %d; raise "
-                        "--kv-cache-memory-bytes to serve longer sequences", problem, longest, self.max_model_len)
-            self.max_model_len, blocks_per_seq = longest, held
-        return int(min(held, self.config.max_num_seqs * blocks_per_seq))
+                        "--kv-cache-memory-bytes to serve longer sequences", problem, longest, max_model_len)
+            max_model_len, blocks_per_seq = longest, held
+        return int(min(held, self.config.max_num_seqs * blocks_per_seq)), max_model_len
 
 
 def _size(num_bytes: int) -> str:

@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout_s=args.request_timeout, max_concurrent_requests=args.max_concurrent_requests,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             reasoning_parser=args.reasoning_parser, tls=args.tls,
-            cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
-                            args.allow_credentials))
+            cors=cors_policy(args))
     except ValueError as error:
         raise SystemExit(f"strata gateway: {error}")
     app = create_app(config)
@@ -120,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                              app.state.drain, args.shutdown_timeout)
     server.run()
     return 0
+
+
+def cors_policy(args: argparse.Namespace) -> CorsPolicy:
+    """The CORS flags' policy."""
+    return CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                      args.allow_credentials)
 
 
 def _json_strings(text: str) -> list[str]:

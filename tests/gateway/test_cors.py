@@ -5,7 +5,7 @@ too), and the allowed origins, methods, headers and credentials follow the flags
 import pytest
 from fastapi.testclient import TestClient
 
-from services.gateway.__main__ import parse_args
+from services.gateway.__main__ import cors_policy, parse_args
 from services.gateway.app import CorsPolicy, GatewayConfig, create_app
 
 PAGE = "http://localhost:3000"
@@ -41,8 +41,7 @@ def test_the_flags_narrow_origins_and_methods_and_allow_credentials():
     args = parse_args(["--tokenizer-addr", "t:1", "--engine-addr", "e:1", "--allowed-origins", f'["{PAGE}"]',
                        "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["authorization"]',
                        "--allow-credentials"])
-    policy = CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
-                        args.allow_credentials)
+    policy = cors_policy(args)
     assert policy == CorsPolicy((PAGE,), ("GET", "POST"), ("authorization",), True)
     with gateway(cors=policy) as client:
         allowed = client.options("/v1/completions", headers={**PREFLIGHT, "Access-Control-Request-Headers":
