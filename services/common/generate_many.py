@@ -1,13 +1,15 @@
 """The server's side of GenerateMany: many requests over one gRPC stream (the engine's and the router's).
 
 A Generate stream per request costs a gRPC message per request and token, and grpc.aio's cost per
-message runs on the gRPC thread holding the GIL, which the engine's model thread then waits for: at
-64 streams that slowed every decode step by about a fifth. Here ``start_one(request, replies)``
-starts each request as its server's Generate would, and its outputs go to its `Replies`, which put
-them in the stream's outbox; one sender sends everything in the outbox as one message. The engine
-submits each request to its engine loop, whose one callback per step passes every request's outputs
-on (no task per request: at 64 streams the tasks' wake-ups were most of the gRPC thread's Python
-work); the router relays each request in a task of its own (`in_tasks`).
+message ran on the gRPC thread holding the GIL, which the engine's model thread then waited for: at
+64 streams that slowed every decode step by about a fifth (the engine loop now shares the gRPC
+server's thread, `AsyncEngine.drive`; one message per step still costs far less than one per
+request). Here ``start_one(request, replies)`` starts each request as its server's Generate would,
+and its outputs go to its `Replies`, which put them in the stream's outbox; one sender sends
+everything in the outbox as one message. The engine submits each request to its engine loop, whose
+one callback per step passes every request's outputs on (no task per request: at 64 streams the
+tasks' wake-ups were most of the gRPC loop's Python work); the router relays each request in a task
+of its own (`in_tasks`).
 
 A request that fails gets an error entry with the status its own Generate stream would have ended
 with (`grpc_server.status_for`, or a relayed call's own status with its parameter); the stream and

@@ -1,6 +1,7 @@
 """The synchronous engine: one `step()` schedules a batch, runs the model and returns outputs.
 
-It is driven by one thread at a time (the engine loop thread of `AsyncEngine`, or offline code).
+It is driven by one thread at a time (`AsyncEngine`'s engine loop, whose step runs on the event loop's
+thread or on its step thread, never both at once; or offline code).
 `validate()` is pure and safe from any thread, so callers learn about a bad request at once.
 """
 
@@ -99,8 +100,8 @@ class EngineCore:
         validated: bool = False,
     ) -> Request:
         """Queues a request; ``arrival_time`` (`time.monotonic()`) is when the engine received it, by
-        default now. ``validated``: the caller ran `validate` already (AsyncEngine, on its own thread),
-        so the engine thread does not check it again."""
+        default now. ``validated``: the caller ran `validate` already (AsyncEngine, as the request
+        arrived), so it is not checked again."""
         if not validated:
             self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
@@ -128,24 +129,32 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule a batch, run the model, sample, advance the requests; returns what the
-        requests produced.
+        requests produced. `schedule()` then `run()`, for a caller that places the run (AsyncEngine).
 
         A failure stays with the requests at fault. When the forward pass or the sampling raises,
         the step's chunks run again in halves, recursively (`_execute_isolating`), so a request
         that fails alone is failed while every other one gets its token. When the scheduler
         itself raises, no request can be blamed: the step's requests are failed. Failed requests
         are aborted (their blocks freed) and reported by ``take_failures()``; the engine goes on."""
-        started = time.perf_counter()
+        scheduler_output = self.schedule()
+        return [] if scheduler_output is None else self.run(scheduler_output)
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step's batch; None when there is nothing to run (or the scheduler failed)."""
         try:
             scheduler_output = self.scheduler.schedule()
         except Exception as error:  # the step's requests: the running ones and the one it was admitting
             self.last_num_batched_tokens = 0
             admitting = [self.scheduler.waiting[0]] if self.scheduler.waiting else []
             self._fail([r.request_id for r in self.scheduler.running + admitting], _step_error(error))
-            return []
+            return None
         self.last_num_batched_tokens = scheduler_output.num_batched_tokens
-        if scheduler_output.is_empty:
-            return []
+        return None if scheduler_output.is_empty else scheduler_output
+
+    def run(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        """Runs the batch `schedule()` returned, before the next schedule(): the model, the sampling,
+        the requests advanced."""
+        started = time.perf_counter()
         if self.threads is not None:
             self.threads.before_step()
         runner_output = self._execute_isolating(scheduler_output.chunks)

@@ -3,12 +3,13 @@
 ``--load-report-interval`` seconds (``strata.load.<replica_id>``), for the router's prefix index and
 load view (DESIGN.md, "NATS carries events, never requests").
 
-Two threads meet here. The engine thread fills a ``KvEventBuffer`` from the block pool and, after
-each step, hands the step's batch to the ``NatsPublisher``; the publisher lives on the gRPC server's
-event loop, which owns the NATS connection. The engine never waits for NATS: while it is away the
-publisher keeps at most ``max_pending`` payloads and drops the oldest, and a dropped batch shows as a
-gap in ``seq``, which tells the router to stop trusting this replica's index until the next
-``cleared``. A NATS that is down at start is retried in the background.
+The engine loop fills a ``KvEventBuffer`` from the block pool (during a step, which may run on a
+step thread of its own: `AsyncEngine.drive`) and, after each step, hands the step's batch to the
+``NatsPublisher``; the publisher lives on the gRPC server's event loop, which owns the NATS
+connection. The engine never waits for NATS: while it is away the publisher keeps at most
+``max_pending`` payloads and drops the oldest, and a dropped batch shows as a gap in ``seq``, which
+tells the router to stop trusting this replica's index until the next ``cleared``. A NATS that is
+down at start is retried in the background.
 """
 
 import asyncio

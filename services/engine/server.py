@@ -139,8 +139,9 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
                load_report_interval_s: float = 1.0, advertise_address: str | None = None,
                tls: TlsFiles | None = None, log_stats_interval_s: float | None = 10.0,
                trace_steps_sample: float | None = None) -> None:
-    """Serves until SIGTERM/SIGINT. The gRPC server (asyncio) runs in a background thread; this
-    (main) thread loads the model and then runs the engine loop (see `AsyncEngine.run`). With
+    """Serves until SIGTERM/SIGINT. While this (main) thread loads the model, the gRPC server runs on
+    its event loop in a background thread (health: NOT_SERVING); once the model is loaded, that loop
+    moves to this thread and runs the engine loop beside the server (`AsyncEngine.drive`). With
     ``nats_url``, KV events and load reports go to NATS (see `nats_events`); with
     ``log_stats_interval_s``, a stats line is logged that often while there is traffic (`stats_logger`);
     with ``trace_steps_sample``, that fraction of the steps get a span (`step_tracing`)."""
@@ -150,23 +151,20 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
         metrics.start_http_server(host, metrics_port)
     loop = uvloop.new_event_loop()
     servicer = EngineServicer(config, served_model_name)
-    stop_requested = asyncio.Event()
-    engine_ready = asyncio.Event()
     events = (EngineEvents(config.replica_id, config.block_size, config.max_num_seqs, nats_url, load_report_interval_s)
               if nats_url else None)
-    grpc_thread = threading.Thread(
-        target=loop.run_until_complete, name="grpc",
-        args=(_serve_grpc(servicer, host, port, shutdown_timeout_s, engine_ready, stop_requested, events, tls,
-                          stats_logger, advertise_address),))
+    serving = _GrpcServing(servicer, host, port, shutdown_timeout_s, events, tls, stats_logger, advertise_address)
+    loading_thread = threading.Thread(target=loop.run_until_complete, name="grpc-while-loading",
+                                      args=(serving.start(),))
     stopping = threading.Event()
 
     def on_signal(signum, frame) -> None:
         stopping.set()
-        loop.call_soon_threadsafe(stop_requested.set)
+        loop.call_soon_threadsafe(serving.stop_requested.set)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    grpc_thread.start()
+    loading_thread.start()
     log.info("engine %s: %s%d kernel threads, OpenMP wait %s", config.replica_id,
              "" if config.num_threads else "up to ", set_num_threads(config.num_threads),
              openmp_wait_description())
@@ -174,20 +172,20 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
         core = EngineCore(config, event_sink=events.buffer if events else None)
         core.warmup()
     except BaseException:  # a bad checkpoint or flag, no memory: the process ends with the error
-        loop.call_soon_threadsafe(stop_requested.set)  # instead of serving NOT_SERVING forever
-        grpc_thread.join()
+        loop.call_soon_threadsafe(serving.stop_requested.set)  # instead of serving NOT_SERVING forever
+        loading_thread.join()
+        loop.run_until_complete(serving.finish())
         raise
     if not stopping.is_set():
         observe_step = _both(metrics.observe_step, stats_logger.observe_step) if stats_logger else metrics.observe_step
         observe_step = _both(observe_step, lambda *_: metrics.observe_structured_output(
             *core.structured_output.take_stats()))
         step_tracer = StepTracer(trace_steps_sample, config.replica_id) if trace_steps_sample else None
-        engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step,
-                             step_tracer=step_tracer)
-        servicer.engine = engine
-        loop.call_soon_threadsafe(engine_ready.set)
-        engine.run()  # until _serve_grpc calls engine.shutdown()
-    grpc_thread.join()
+        servicer.engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step,
+                                      step_tracer=step_tracer)
+    loop.call_soon_threadsafe(serving.loaded.set)
+    loading_thread.join()  # serving.start() returns once the model is loaded (or a stop came first)
+    loop.run_until_complete(serving.finish())
 
 
 def _both(first, second):
@@ -225,49 +223,84 @@ def _reachable_address(host: str, port: int, advertise: str | None = None) -> st
     return f"{name}:{port}"
 
 
-async def _serve_grpc(servicer: EngineServicer, host: str, port: int, shutdown_timeout_s: float,
-                      engine_ready: asyncio.Event, stop_requested: asyncio.Event,
-                      events: EngineEvents | None, tls: TlsFiles | None = None,
-                      stats_logger: StatsLogger | None = None, advertise_address: str | None = None) -> None:
-    config = servicer.config
-    server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
-    bound = server.add_port(f"{host}:{port}", tls)
-    await server.start()
-    stats_lines = None
-    if events is not None:
-        events.connect()
-    log.info("engine %s listening on %s:%d; loading %s", config.replica_id, host, bound, config.model)
-    ready, stop = asyncio.create_task(engine_ready.wait()), asyncio.create_task(stop_requested.wait())
-    await asyncio.wait([ready, stop], return_when=asyncio.FIRST_COMPLETED)
-    loaded = ready.done()
-    for waiter in (ready, stop):  # a stop during loading leaves `ready` pending: no "Task was destroyed"
-        waiter.cancel()
-    if loaded:
-        servicer.accepting = True
-        await server.set_serving()
-        core = servicer.engine.core
+class _GrpcServing:
+    """The engine's gRPC server over its life, on one event loop: `start()` serves (NOT_SERVING) until
+    the model is loaded, in a thread of its own while the main thread loads; then `finish()`, on the
+    main thread, serves with the engine loop beside it (`AsyncEngine.drive`) until a stop, drains
+    and stops. A stop before the model is loaded stops the server at once."""
+
+    def __init__(self, servicer: EngineServicer, host: str, port: int, shutdown_timeout_s: float,
+                 events: EngineEvents | None, tls: TlsFiles | None, stats_logger: StatsLogger | None,
+                 advertise_address: str | None) -> None:
+        self.servicer, self.host, self.port, self.shutdown_timeout_s = servicer, host, port, shutdown_timeout_s
+        self.events, self.tls, self.stats_logger, self.advertise_address = events, tls, stats_logger, advertise_address
+        self.stop_requested = asyncio.Event()
+        self.loaded = asyncio.Event()  # set once the model is loaded, or its loading failed
+        self.server: GrpcServer | None = None  # while it serves
+        self.bound_port = 0
+
+    async def start(self) -> None:
+        config = self.servicer.config
+        server = self.server = GrpcServer([SERVICE_NAME], grace_s=2.0, options=GRPC_OPTIONS)
+        engine_pb2_grpc.add_EngineServicer_to_server(self.servicer, server.server)
+        self.bound_port = server.add_port(f"{self.host}:{self.port}", self.tls)
+        await server.start()
+        if self.events is not None:
+            self.events.connect()
+        log.info("engine %s listening on %s:%d; loading %s", config.replica_id, self.host, self.bound_port,
+                 config.model)
+        loaded, stop = asyncio.create_task(self.loaded.wait()), asyncio.create_task(self.stop_requested.wait())
+        await asyncio.wait([loaded, stop], return_when=asyncio.FIRST_COMPLETED)
+        for waiter in (loaded, stop):  # a stop during loading leaves `loaded` pending: no "Task was destroyed"
+            waiter.cancel()
+        if self.stop_requested.is_set():
+            log.info("stopping before the model was ready")
+            await self._stop(None)
+
+    async def finish(self) -> None:
+        engine = self.servicer.engine
+        if self.server is None:  # stopped in start()
+            return
+        if engine is None or self.stop_requested.is_set():
+            log.info("stopping before the model was ready")
+            await self._stop(None)
+            return
+        config, events = self.servicer.config, self.events
+        driving = asyncio.create_task(engine.drive())
+        self.servicer.accepting = True
+        await self.server.set_serving()
         log.info("engine %s ready: %d KV blocks of %d tokens, max model len %d", config.replica_id,
-                 core.num_kv_blocks, config.block_size, core.max_model_len)
-        if stats_logger is not None:
-            stats_lines = asyncio.create_task(stats_logger.run(lambda: servicer.engine.stats))
+                 engine.core.num_kv_blocks, config.block_size, engine.core.max_model_len)
+        stats_lines = (asyncio.create_task(self.stats_logger.run(lambda: engine.stats))
+                       if self.stats_logger is not None else None)
         if events is not None:
-            events.start_reports(_reachable_address(host, bound, advertise_address), lambda: servicer.engine.stats)
-        await stop_requested.wait()
-        log.info("draining: no new requests; waiting up to %.0f s for the %d in flight", shutdown_timeout_s,
-                 servicer.engine.num_active_requests)
-    else:
-        log.info("stopping before the model was ready")
-    servicer.accepting = False
-    await server.set_serving(False)
-    if stats_lines is not None:
-        stats_lines.cancel()
-    if events is not None and servicer.engine is not None:
-        events.announce_draining(servicer.engine.stats)
-    if servicer.engine is not None:
-        await _drain(servicer.engine, shutdown_timeout_s)
-    await server.stop()
-    if servicer.engine is not None:
-        servicer.engine.shutdown()
-    if events is not None:
-        await events.close()
+            events.start_reports(_reachable_address(self.host, self.bound_port, self.advertise_address),
+                                 lambda: engine.stats)
+        stop = asyncio.create_task(self.stop_requested.wait())
+        await asyncio.wait([stop, driving], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if driving.done():  # the engine loop itself failed (a bug): stop serving, and say why
+            log.error("the engine loop stopped: %r; stopping", driving.exception())
+        else:
+            log.info("draining: no new requests; waiting up to %.0f s for the %d in flight", self.shutdown_timeout_s,
+                     engine.num_active_requests)
+        if stats_lines is not None:
+            stats_lines.cancel()
+        await self._stop(engine, driving)
+        driving.result()  # the engine loop's failure, if that is why it stopped
+
+    async def _stop(self, engine: AsyncEngine | None, driving: asyncio.Task | None = None) -> None:
+        """Refuses new requests, drains the running ones (up to the shutdown timeout), stops."""
+        self.servicer.accepting = False
+        await self.server.set_serving(False)
+        if self.events is not None and engine is not None:
+            self.events.announce_draining(engine.stats)
+        if driving is not None and not driving.done():
+            await _drain(engine, self.shutdown_timeout_s)
+        await self.server.stop()
+        self.server = None
+        if driving is not None and not driving.done():
+            engine.shutdown()
+            await driving
+        if self.events is not None:
+            await self.events.close()

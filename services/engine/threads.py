@@ -18,6 +18,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,8 @@ class ThreadGovernor:
     wait for a thread that lost its core as a decode step does. The one exception is a step that runs
     a compiled graph, which runs on the team it was compiled for (``compiled_forward``: another count
     would compile it again). Called by the thread that runs the
-    model (OpenMP's team size is per thread): ``before_step`` and ``after_step`` around every step.
+    step (OpenMP's team size is per thread, and each thread's is set before its first step):
+    ``before_step`` and ``after_step`` around every step.
     """
 
     def __init__(self, ceiling: int, probe_every_s: float = 10.0, window_steps: int = 16,
@@ -172,7 +174,8 @@ class ThreadGovernor:
         self._short_before = self._short_now = False  # short of cores in the measure before the last, the last
         self.contended_share: float | None = None  # of the last measure; None: not known here
         self.cores_got: float | None = None  # in the last measure; None: not known here
-        self._applied = ceiling  # the team size set last
+        self._applied = threading.local()  # the team size set last, per thread (OpenMP's is per thread)
+        self._applied.threads = ceiling  # the creating thread's: set_num_threads set it
         self.probe_every_s, self.window_steps, self.min_gain = probe_every_s, window_steps, min_gain
         self.retry_s, self.window_seconds = retry_s, window_seconds
         self._clock = clock or time.monotonic
@@ -330,14 +333,15 @@ class ThreadGovernor:
         self._apply(threads)
 
     def _apply(self, threads: int) -> None:
-        if threads != self._applied:
+        """Sets the calling thread's team (steps may run on two threads: `AsyncEngine.drive`)."""
+        if threads != getattr(self._applied, "threads", None):
             if self._set_threads is None:
                 import torch
 
                 torch.set_num_threads(threads)
             else:
                 self._set_threads(threads)
-            self._applied = threads
+            self._applied.threads = threads
 
 
 # A probe down to fewer threads needs the process's threads to have waited for a core at least this

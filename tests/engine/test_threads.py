@@ -4,6 +4,7 @@ put the policy into the environment before torch loads."""
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -378,3 +379,19 @@ def test_a_trial_at_a_somewhat_larger_batch_must_beat_what_its_extra_rows_give()
     decode(governor, clock, 60, 4)
     decode(governor, clock, 51, 4)
     assert governor.threads == 1 and sizes == [1]
+
+
+def test_governor_sets_the_team_of_each_thread_that_runs_a_step():
+    # AsyncEngine.drive runs short steps on the event loop's thread and long ones on a step thread;
+    # OpenMP's team size is per thread, so each gets the governed size before its first step
+    sizes: list[tuple[str, int]] = []
+    governor = ThreadGovernor(2, set_threads=lambda n: sizes.append((threading.current_thread().name, n)),
+                              core_wait=lambda: None, core_idle=lambda: None)
+    governor.before_step()  # the creating thread: set_num_threads set its team
+    assert sizes == []
+    governor._resize(1)
+    other = threading.Thread(target=governor.before_step, name="step")
+    other.start()
+    other.join()
+    governor.before_step()
+    assert sizes == [("MainThread", 1), ("step", 1)]
