@@ -53,7 +53,6 @@ from services.engine.step_tracing import StepTracer
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class _Add:
     request_id: str
@@ -132,7 +131,11 @@ class AsyncEngine:
                         outputs = await self._home.run_in_executor(step_thread, self._run_step, scheduled)
                     self._placement.observe(rows, tokens, time.perf_counter() - started)
                 self._finish_step(outputs, time.perf_counter() - started)
-                await asyncio.sleep(0)  # the outputs' callbacks, the gRPC server's work, then the next step
+                # Two passes of the loop before the next step: in the first, the tasks the outputs woke
+                # send them (and this task's turn comes before the I/O that came meanwhile is read); in
+                # the second, the tasks that I/O woke run: new requests and aborts join the next step.
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
         finally:
             step_thread.shutdown(wait=False)
 
@@ -330,10 +333,10 @@ class AsyncEngine:
             self._call_soon(target[0], target[1].put_nowait, exc)
 
     def _call_soon(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
-        """``callback(*args)`` on ``loop`` (where the caller is drive() on that loop, without waking it
-        through its self-pipe)."""
+        """``callback(*args)`` on ``loop``: at once where the caller is drive() on that loop (so that
+        the tasks it wakes run before drive()'s next step), else soon, from any thread."""
         if loop is self._home and threading.get_ident() == self._home_thread:
-            loop.call_soon(callback, *args)
+            callback(*args)
         else:
             loop.call_soon_threadsafe(callback, *args)
 

@@ -84,6 +84,18 @@ def test_short_steps_run_on_the_loop_thread_and_unknown_ones_off_it(default_mode
     assert steps.threads[2:] == [loop_thread] * 10
 
 
+def test_a_steps_output_reaches_its_reader_before_the_next_step(default_model_dir):
+    # else each token would go out a step late: at 64 streams, a step of 20-200 ms on each TTFT
+    core = new_core(default_model_dir)
+    steps = StepThreads(core)
+    engine = AsyncEngine(core, placement=StepPlacement(inline_max_s=10.0))
+
+    async def body():
+        return [len(steps.threads) async for _ in engine.generate("r", PROMPTS[2], GREEDY)]
+
+    assert asyncio.run(drive_and(engine, body)) == list(range(1, 13))  # the steps begun at each output
+
+
 def test_the_loop_serves_while_a_long_step_runs(default_model_dir):
     core = new_core(default_model_dir)
     answered = threading.Event()
