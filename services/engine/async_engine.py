@@ -324,15 +324,15 @@ class AsyncEngine:
                 if target is not None:
                     by_loop[target[0]].append((target[1], output))
         for loop, items in by_loop.items():
-            self._call_soon(loop, _put_all, items)
+            self._run_on(loop, _put_all, items)
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:
-            self._call_soon(target[0], target[1].put_nowait, exc)
+            self._run_on(target[0], target[1].put_nowait, exc)
 
-    def _call_soon(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    def _run_on(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         """``callback(*args)`` on ``loop``: at once where the caller is drive() on that loop (so that
         the tasks it wakes run before drive()'s next step), else soon, from any thread."""
         if loop is self._home and threading.get_ident() == self._home_thread:

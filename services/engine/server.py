@@ -254,16 +254,14 @@ class _GrpcServing:
         for waiter in (loaded, stop):  # a stop during loading leaves `loaded` pending: no "Task was destroyed"
             waiter.cancel()
         if self.stop_requested.is_set():
-            log.info("stopping before the model was ready")
-            await self._stop(None)
+            await self._stop_before_ready()
 
     async def finish(self) -> None:
         engine = self.servicer.engine
         if self.server is None:  # stopped in start()
             return
-        if engine is None or self.stop_requested.is_set():
-            log.info("stopping before the model was ready")
-            await self._stop(None)
+        if engine is None or self.stop_requested.is_set():  # a stop came as the model finished loading
+            await self._stop_before_ready()
             return
         config, events = self.servicer.config, self.events
         driving = asyncio.create_task(engine.drive())
@@ -288,6 +286,10 @@ class _GrpcServing:
             stats_lines.cancel()
         await self._stop(engine, driving)
         driving.result()  # the engine loop's failure, if that is why it stopped
+
+    async def _stop_before_ready(self) -> None:
+        log.info("stopping before the model was ready")
+        await self._stop(None)
 
     async def _stop(self, engine: AsyncEngine | None, driving: asyncio.Task | None = None) -> None:
         """Refuses new requests, drains the running ones (up to the shutdown timeout), stops."""
