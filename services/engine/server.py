@@ -178,8 +178,7 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
         raise
     if not stopping.is_set():
         observe_step = _both(metrics.observe_step, stats_logger.observe_step) if stats_logger else metrics.observe_step
-        observe_step = _both(observe_step, lambda *_: metrics.observe_structured_output(
-            *core.structured_output.take_stats()))
+        metrics.on_catch_up(lambda: metrics.observe_structured_output(*core.structured_output.take_stats()))
         step_tracer = StepTracer(trace_steps_sample, config.replica_id) if trace_steps_sample else None
         servicer.engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step,
                                       step_tracer=step_tracer)
