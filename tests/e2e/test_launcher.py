@@ -201,3 +201,13 @@ def test_several_served_names_are_each_accepted_and_echoed(default_model_dir, tm
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="Hi", max_tokens=1)
     assert parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_services_beside_the_engine_are_batch_scheduled_in_every_thread_and_the_engine_is_not(stack):
+    def policies(pid: int) -> set[int]:
+        return {os.sched_getscheduler(int(task)) for task in os.listdir(f"/proc/{pid}/task")}
+
+    by_name = {service.name: policies(service.pid) for service in stack.services}
+    assert by_name.pop("engine") == {os.SCHED_OTHER}  # its kernel threads and gRPC threads alike
+    assert by_name and all(found == {os.SCHED_BATCH} for found in by_name.values()), by_name
