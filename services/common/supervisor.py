@@ -39,9 +39,25 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
 
 def die_with_parent_batch_scheduled() -> None:  # runs in the child between fork and exec
     die_with_parent()
-    try:  # Linux; every thread the child starts inherits it
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError):  # elsewhere it runs as any process does
+    _set_policy("SCHED_BATCH")  # every thread the child starts inherits it
+
+
+def die_with_parent_not_batch_scheduled() -> None:  # runs in the child between fork and exec
+    """As `die_with_parent`, and SCHED_OTHER where the parent runs SCHED_BATCH (an engine that a
+    batch-scheduled autoscaler starts), which a fork passes on."""
+    die_with_parent()
+    try:
+        batch = os.sched_getscheduler(0) == os.SCHED_BATCH
+    except (AttributeError, OSError):
+        return
+    if batch:
+        _set_policy("SCHED_OTHER")
+
+
+def _set_policy(name: str) -> None:
+    try:  # Linux
+        os.sched_setscheduler(0, getattr(os, name), os.sched_param(0))
+    except (AttributeError, OSError):  # elsewhere the child runs as this process does
         pass
 
 
@@ -75,7 +91,7 @@ class ChildProcess:
         self.process = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent_batch_scheduled if self.batch_scheduled else die_with_parent,
+            preexec_fn=die_with_parent_batch_scheduled if self.batch_scheduled else die_with_parent_not_batch_scheduled,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         if self.cpus:
             try:

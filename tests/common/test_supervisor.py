@@ -4,6 +4,7 @@ retired child is let go."""
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -97,3 +98,14 @@ def test_a_batch_scheduled_child_and_the_threads_it_starts_run_sched_batch():
         process.spawn()
         output, _ = process.process.communicate(timeout=30)
         assert int(output) == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_a_batch_scheduled_process_starts_its_other_children_as_usual():
+    """A batch-scheduled autoscaler's engines: a fork passes the policy on; ChildProcess does not."""
+    code = ("import os, sys; from services.common.supervisor import ChildProcess; "
+            "os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0)); "
+            "child = ChildProcess('engine', [sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))'], "
+            "echo=False); child.spawn(); print(child.process.communicate(timeout=30)[0].decode().strip())")
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=True).stdout
+    assert int(output) == os.SCHED_OTHER
