@@ -99,6 +99,11 @@ class ModelRunner:
         self.structured_output = StructuredOutputManager(config.model, mc.vocab_size, mc.eos_token_ids)
         self.is_captured = False  # whether steps run the compiled graphs (after warmup)
         self.decode_step = self._native_decode_step()
+        # Steps with prompt chunks too, where the torch forward's prefill attention is the same native
+        # kernel (so both compute the same numbers); not while gathering prompt logprobs (the native step
+        # keeps no hidden states but the sampled rows')
+        self.prompt_steps_run_natively = self.decode_step is not None and getattr(self.attention, "use_native_prefill",
+                                                                                  False)
 
     @property
     def vocab_size(self) -> int:
@@ -155,12 +160,26 @@ class ModelRunner:
             rows = self._prepare_rows(scheduler_output.chunks)  # one token each: a decode step, in one native call
             return rows.sample_requests, self.decode_step.logits(rows.input_ids, rows.positions, rows.slot_mapping,
                                                                  rows.block_tables, rows.seq_lens, rows.sample_rows), {}
+        if self.prompt_steps_run_natively and not scheduler_output.one_token_each and not gathering:
+            return self._native_prompt_step(scheduler_output.chunks)
         graphed = self.is_captured and (scheduler_output.one_token_each or not self.graphs.decode_only)
         bucket = self.graphs.bucket_for(num_tokens) if graphed else None
         batch = self._prepare(scheduler_output.chunks, bucket - num_tokens if bucket else 0)
         hidden = self._forward(batch, compiled=bucket is not None)  # [T, H]
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         return batch.sample_requests, logits, self._prompt_logprobs(batch, hidden) if gathering else {}
+
+    def _native_prompt_step(self, chunks: list[ScheduledChunk]
+                            ) -> tuple[list[Request], torch.Tensor, dict[str, tuple[int, list[SampledLogprobs]]]]:
+        """A step with prompt chunks (and decoding requests beside them) in one native call: the general
+        batch's rows, decodes first, then the chunks'."""
+        batch = self._prepare(chunks)
+        md = batch.metadata
+        starts = md.query_start_loc[md.num_decodes:]
+        prompts = decode_forward.PromptChunks(starts - starts[0], md.context_lens[md.num_decodes:])
+        logits = self.decode_step.logits(batch.input_ids, batch.positions, md.slot_mapping, md.block_tables,
+                                         md.seq_lens[:md.num_decodes], batch.sample_rows, prompts)
+        return batch.sample_requests, logits, {}
 
     def _prompt_logprobs(self, batch: _InputBatch, hidden: torch.Tensor
                          ) -> dict[str, tuple[int, list[SampledLogprobs]]]:

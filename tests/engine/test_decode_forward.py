@@ -1,8 +1,8 @@
 """The native decode step (services/engine/cpu_kernels/decode_forward.py) against the torch forward
 of the same weights: the same hidden states and the same K/V written, for Llama (biases everywhere),
 Qwen2 (q/k/v bias, tied embeddings) and Mistral (sliding window), float32 and bfloat16, batches with
-short and long contexts (split across threads and merged); the runner routes decode-only steps to
-it and everything else to the torch forward."""
+short and long contexts (split across threads and merged), and steps with prompt chunks beside the
+decoding requests; the runner routes every step to it but those gathering prompt logprobs."""
 
 import os
 
@@ -117,17 +117,61 @@ def test_the_native_steps_rows_are_the_general_batchs(checkpoint):
         runner._prepare_rows([ScheduledChunk(full, 1, [7])])
 
 
-def test_only_decode_only_steps_run_natively(checkpoint, monkeypatch):
+def test_the_runner_routes_decode_and_prompt_steps_to_the_native_step(checkpoint, monkeypatch):
     runner = make_runner(checkpoint, "float32")
     calls = []
     logits = runner.decode_step.logits
-    monkeypatch.setattr(runner.decode_step, "logits", lambda *args: calls.append(args[0].shape[0]) or logits(*args))
+    monkeypatch.setattr(runner.decode_step, "logits",
+                        lambda *args: calls.append((args[0].shape[0], len(args) == 7)) or logits(*args))
     (decoding,), (table,) = prefill([runner], [9])
+    assert calls == [(9, True)]  # the prefill: 9 prompt rows
     runner.compute_logits(SchedulerOutput([ScheduledChunk(decoding, 1, table)]))
-    assert calls == [1]
+    assert calls[-1] == (1, False)  # decode only: no prompt chunks
     prompt = Request("p", [3, 4, 5], SamplingParams(temperature=0.0))
     runner.compute_logits(SchedulerOutput([ScheduledChunk(decoding, 1, table), ScheduledChunk(prompt, 3, [90])]))
-    assert calls == [1]  # a mixed step runs the torch forward
+    assert calls[-1] == (4, True)  # a mixed step: one decode row and a chunk of three
+    gathering = Request("g", [3, 4, 5], SamplingParams(temperature=0.0, prompt_logprobs=1))
+    runner.compute_logits(SchedulerOutput([ScheduledChunk(gathering, 3, [91])]))
+    assert len(calls) == 3  # prompt logprobs need every row's hidden state: the torch forward
+
+
+@pytest.mark.slow  # parity over three architectures
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_with_prompt_chunks_match_the_torch_forward(checkpoint, dtype):
+    """Prompt chunks beside decoding requests in one native step: a whole prompt, the middle chunk of a
+    longer one (its first chunk cached, its last to come, so it does not sample), a one-token chunk
+    (which the batch puts with the decodes) and prompts longer than the sliding window, against the torch
+    forward: the same logits and the same K/V written, over a few steps."""
+    native, torch_forward = make_runner(checkpoint, dtype), make_runner(checkpoint, dtype)
+    torch_forward.decode_step, torch_forward.prompt_steps_run_natively = None, False
+    assert native.prompt_steps_run_natively or dtype == "bfloat16"  # bfloat16 keeps SDPA on a CPU with AMX
+    if not native.prompt_steps_run_natively:
+        pytest.skip("bfloat16 prefill attention runs SDPA on this CPU")
+    decoding, tables = prefill([native, torch_forward], [3, 30, 70])
+    prompts = [Request(f"p{i}", [(11 * i + 5 * j) % 400 + 2 for j in range(n)], SamplingParams(temperature=0.0))
+               for i, n in enumerate((45, 61, 17))]
+    prompt_tables = [list(range(200 + 20 * i, 220 + 20 * i)) for i in range(len(prompts))]
+    first_chunks = (45, 20, 16)  # whole; 20 of 61, then 25, then 16; 16 of 17, then the last one alone
+    for step_number in range(3):
+        chunks = [ScheduledChunk(r, 1, t) for r, t in zip(decoding, tables)]
+        for request, table, first in zip(prompts, prompt_tables, first_chunks):
+            left = request.num_prompt_tokens - request.num_computed_tokens
+            if left > 0:
+                size = first if step_number == 0 else min(left, 25)
+                chunks.append(ScheduledChunk(request, size, table))
+        step = SchedulerOutput(chunks)
+        (requests, logits, _), (expected_requests, expected, _) = (native.compute_logits(step),
+                                                                   torch_forward.compute_logits(step))
+        assert requests == expected_requests
+        torch.testing.assert_close(logits, expected, **TOLERANCE[native.dtype])
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += chunk.num_new_tokens
+            if chunk.request.num_computed_tokens >= chunk.request.num_tokens:
+                chunk.request.append_output(int(expected[requests.index(chunk.request)].argmax()))
+    for (k, v), (k_expected, v_expected) in zip(native.kv_caches, torch_forward.kv_caches, strict=True):
+        torch.testing.assert_close(k, k_expected, **TOLERANCE[native.dtype])
+        torch.testing.assert_close(v, v_expected, **TOLERANCE[native.dtype])
 
 
 def test_unsupported_dtype_keeps_the_torch_forward(checkpoint):

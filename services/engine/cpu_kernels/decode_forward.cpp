@@ -1,5 +1,7 @@
-// One decode step of a Llama-family model (Llama, Mistral, Qwen2) on the CPU: every layer, from the
-// token embeddings to the final norm and the logits, in one OpenMP parallel region.
+// One step of a Llama-family model (Llama, Mistral, Qwen2) on the CPU: every layer, from the token
+// embeddings to the final norm and the logits, in one OpenMP parallel region. A step's rows are the
+// new tokens of its requests: first the decoding requests, one row each, then the chunks of prompts
+// (prefill), any number of rows each.
 //
 // A decode step at small batch is a chain of many short operations (the projections stream their
 // weights in tens of microseconds, the norms, rotary and activation take a few), so what it costs
@@ -9,21 +11,30 @@
 // work_split.h: a thread the OS took away between items holds nobody up, and the run of items of one
 // taken away in the middle of it is taken over by the others; each layer is an epoch of its own):
 //
-//   norm(residual + x) -> qkv -> rotary, K/V store -> paged attention -> o -> norm(residual + o)
-//   -> gate_up -> silu(gate) * up -> down
+//   norm(residual + x) -> qkv -> rotary, K/V store -> paged attention (decode rows, then prefill rows)
+//   -> o -> norm(residual + o) -> gate_up -> silu(gate) * up -> down
 //
 // and after the last layer: final norm -> the logits of the rows that sample.
 //
+// A step with prompt chunks is long (hundreds of milliseconds at 2,048 rows) and runs the same way: as
+// a chain of torch operations, each an OpenMP region with its threads split statically and a barrier at
+// its end, it lost a core's share whenever another process (the gateway, the tokenizer, a client) took
+// one of its threads' cores, the other thread waiting at the barrier with its core idle.
+//
 // The projections are linear_panels.h's kernels on the weights linear.py blocked at load time, the
-// attention is paged_decode_kernels.h's. Every intermediate is rounded to the model's dtype where the
-// torch forward (services/engine/models/llama.py) rounds it, so both compute the same numbers up to the
-// order of float32 sums in the norms.
+// attention is paged_decode_kernels.h's for the decode rows and paged_prefill_kernels.h's for the
+// prompt rows. Every intermediate is rounded to the model's dtype where the torch forward
+// (services/engine/models/llama.py) rounds it, so both compute the same numbers up to the order of
+// float32 sums in the norms.
 
 #include "linear_panels.h"
 #include "paged_decode_kernels.h"
+#include "paged_prefill_kernels.h"
 #include "row_ops.h"
 
+#include <initializer_list>
 #include <memory>
+#include <new>
 #include <type_traits>
 
 namespace {
@@ -59,18 +70,22 @@ struct ModelWeights {
 };
 
 struct StepInputs {
-  int64_t num_rows;             // one new token per request
+  int64_t num_rows;             // M: the decode rows, then the prompt chunks' rows
   const int64_t* token_ids;     // [M]
   const int64_t* positions;     // [M]
   const int64_t* slot_mapping;  // [M]: where each new token's K/V goes
-  const int64_t* block_tables;  // [M, >= blocks], row stride table_stride
-  const int64_t* seq_lens;      // [M]: context including the new token
+  const int64_t* block_tables;  // [D + P, >= blocks], row stride table_stride: the decode requests', then the prefills'
+  const int64_t* seq_lens;      // [D]: each decode request's context including its new token
   int64_t table_stride;
   int64_t min_chunk_tokens;     // see paged_decode_kernels.h's plan_chunks
   void* out;                    // [M, H]: the final norm of the last hidden state
   int64_t num_logit_rows;       // S: rows whose logits are wanted (with ModelWeights::logits)
   const int64_t* logit_rows;    // [S]: which rows, in the order of `logits`
   float* logits;                // [S, vocab]: rounded to the model's dtype as the torch head rounds them
+  int64_t num_decodes;          // D: requests decoding one token each, rows 0 .. D - 1
+  int64_t num_prefills;         // P: prompt chunks, rows D onwards
+  const int64_t* query_start;   // [P + 1]: chunk p's rows are D + query_start[p] .. D + query_start[p + 1] - 1
+  const int64_t* context_lens;  // [P]: positions of chunk p's request before its first new token
 };
 
 // x[m, k] W^T from inside the parallel region (a phase of `split`), each row's float32 sums handed to
@@ -120,8 +135,43 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
 }
 
 constexpr int64_t kActivationSpan = 256;  // elements of one row per silu_mul work item
-constexpr size_t kMaxPhasesPerLayer = 16;  // ProgressSplit phases a layer may take (it takes at most 15)
+constexpr size_t kMaxPhasesPerLayer = 18;  // ProgressSplit phases a layer may take (it takes at most 16)
 constexpr size_t kFinalPhases = 4;         // after the layers: the final norm, the logits' rows, x's packing, the head
+
+// The memory a step's buffers are carved from, kept by the thread that runs the steps from one step to
+// the next: it grows to the largest step and stays, and is not cleared (every buffer element is written
+// before it is read). Fresh buffers per step cost their zeroing (~2% of a 64-row decode step) and, for a
+// step of prompt chunks (hundreds of MB at 2,048 rows), the page faults of memory the allocator had
+// handed back to the OS.
+class StepArena {
+ public:
+  // A layout pass (`base` null) counts the bytes; the carving pass after it hands them out.
+  template <typename X>
+  X* take(int64_t count) {
+    used_ = (used_ + 63) / 64 * 64;
+    X* at = base_ ? reinterpret_cast<X*>(base_ + used_) : nullptr;
+    used_ += count * int64_t(sizeof(X));
+    return at;
+  }
+  // Starts the carving pass over at least the bytes the layout pass counted.
+  void carve() {
+    if (used_ > capacity_) {
+      memory_.reset(static_cast<char*>(::operator new(size_t(used_), std::align_val_t(64))));
+      capacity_ = used_;
+    }
+    base_ = memory_.get();
+    used_ = 0;
+  }
+  void restart() { base_ = nullptr, used_ = 0; }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { ::operator delete(p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<char, Free> memory_;
+  char* base_ = nullptr;
+  int64_t used_ = 0, capacity_ = 0;
+};
 
 // What one layer writes, in buffers of its own: the layers alternate between two sets, so that a thread
 // that comes back late to a layer's work item another thread took over (work_split.h's stealing) only
@@ -132,17 +182,26 @@ constexpr size_t kFinalPhases = 4;         // after the layers: the final norm, 
 template <typename T>
 struct LayerBuffers {
   using P = typename Elem<T>::Packed;
-  std::vector<T> residual_in, x_in, qkv, q, attn, o, residual_post, x_post, gate_up, act, down;
-  std::vector<float> attn_f32;
-  std::vector<P> packed_qkv, packed_o, packed_gate_up, packed_down;  // x in the panel kernels' layout
-  std::unique_ptr<Partial[]> partials;
+  T *residual_in, *x_in, *qkv, *q, *attn, *o, *residual_post, *x_post, *gate_up, *act, *down;
+  float* attn_f32;
+  P *packed_qkv, *packed_o, *packed_gate_up, *packed_down;  // x in the panel kernels' layout
+  Partial* partials;
 
-  LayerBuffers(int64_t m, int64_t hidden, int64_t q_size, int64_t qkv_size, int64_t inter, int64_t num_partials)
-      : residual_in(m * hidden), x_in(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), o(m * hidden),
-        residual_post(m * hidden), x_post(m * hidden), gate_up(m * 2 * inter), act(m * inter), down(m * hidden),
-        attn_f32(m * q_size), packed_qkv(packed_size(m, hidden)), packed_o(packed_size(m, q_size)),
-        packed_gate_up(packed_size(m, hidden)), packed_down(packed_size(m, inter)),
-        partials(num_partials ? new Partial[num_partials] : nullptr) {}
+  void carve(StepArena& arena, int64_t m, int64_t hidden, int64_t q_size, int64_t qkv_size, int64_t inter,
+             int64_t num_partials) {
+    for (T** buffer : {&residual_in, &x_in, &o, &residual_post, &x_post, &down}) *buffer = arena.take<T>(m * hidden);
+    qkv = arena.take<T>(m * qkv_size);
+    q = arena.take<T>(m * q_size);
+    attn = arena.take<T>(m * q_size);
+    gate_up = arena.take<T>(m * 2 * inter);
+    act = arena.take<T>(m * inter);
+    attn_f32 = arena.take<float>(m * q_size);
+    packed_qkv = arena.take<P>(packed_size(m, hidden));
+    packed_o = arena.take<P>(packed_size(m, q_size));
+    packed_gate_up = arena.take<P>(packed_size(m, hidden));
+    packed_down = arena.take<P>(packed_size(m, inter));
+    partials = arena.take<Partial>(num_partials);
+  }
   static int64_t packed_size(int64_t m, int64_t k) { return std::max(m, kTileRows) * (k + 1); }
 };
 
@@ -151,27 +210,56 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
   using E = Elem<T>;
   const int64_t m = in.num_rows, hidden = mw.hidden, dim = mw.head_dim, inter = mw.intermediate;
   const int64_t q_size = mw.num_heads * dim, kv_size = mw.num_kv_heads * dim, qkv_size = q_size + 2 * kv_size;
+  const int64_t decodes = in.num_decodes, prefills = in.num_prefills;
 
-  // Each layer's attention problem and its cut into work items (sliding windows differ per layer).
+  // Each layer's attention problems, the decode rows' and the prompt rows', and the decode rows' cut
+  // into work items (sliding windows differ per layer).
   const int num_threads = omp_get_max_threads();
   std::vector<Plan> plans;
   int64_t num_partials = 0;
   for (int64_t l = 0; l < mw.num_layers; ++l) {
-    Problem shape{nullptr, nullptr, nullptr, in.block_tables, in.seq_lens, nullptr, m, mw.num_heads, mw.num_kv_heads,
-                  dim, mw.block_size, q_size, dim, in.table_stride, mw.layers[l].window, mw.scale};
+    Problem shape{nullptr, nullptr, nullptr, in.block_tables, in.seq_lens, nullptr, decodes, mw.num_heads,
+                  mw.num_kv_heads, dim, mw.block_size, q_size, dim, in.table_stride, mw.layers[l].window, mw.scale};
     plans.push_back(plan_chunks(shape, in.min_chunk_tokens, num_threads));
     if (plans.back().split) num_partials = std::max(num_partials, plans.back().num_partials(shape));
   }
-  LayerBuffers<T> sets[2] = {LayerBuffers<T>(m, hidden, q_size, qkv_size, inter, num_partials),
-                             LayerBuffers<T>(m, hidden, q_size, qkv_size, inter, num_partials)};
+
+  // The logits' rows: `out` itself when every row samples in order, else a copy of those that do.
+  const bool logits = mw.logits != nullptr && in.logits != nullptr && in.num_logit_rows > 0;
+  const int64_t s = logits ? in.num_logit_rows : 0;
+  bool rows_in_order = s == m;
+  for (int64_t j = 0; j < s && rows_in_order; ++j) rows_in_order = in.logit_rows[j] == j;
+
+  static thread_local StepArena arena;
+  LayerBuffers<T> sets[2];
+  T* picked = nullptr;
+  typename E::Packed* packed_head = nullptr;
+  T* residual_final = nullptr;
+  arena.restart();
+  for (int pass = 0; pass < 2; ++pass) {  // the layout pass counts the bytes, the second hands them out
+    if (pass == 1) arena.carve();
+    for (LayerBuffers<T>& set : sets) set.carve(arena, m, hidden, q_size, qkv_size, inter, num_partials);
+    picked = arena.take<T>(rows_in_order ? 0 : s * hidden);
+    packed_head = arena.take<typename E::Packed>(LayerBuffers<T>::packed_size(s, hidden));
+    residual_final = arena.take<T>(m * hidden);
+  }
+
   std::vector<Problem> problems;
+  std::vector<PrefillProblem> prefill_problems;
   for (int64_t l = 0; l < mw.num_layers; ++l) {
     LayerBuffers<T>& b = sets[l % 2];
     const LayerWeights& lw = mw.layers[l];
-    problems.push_back(Problem{b.q.data(), lw.k_cache, lw.v_cache, in.block_tables, in.seq_lens, b.attn_f32.data(), m,
+    problems.push_back(Problem{b.q, lw.k_cache, lw.v_cache, in.block_tables, in.seq_lens, b.attn_f32, decodes,
                                mw.num_heads, mw.num_kv_heads, dim, mw.block_size, q_size, dim, in.table_stride,
                                lw.window, mw.scale});
+    prefill_problems.push_back(PrefillProblem{b.q + decodes * q_size, lw.k_cache, lw.v_cache,
+                                              in.block_tables + decodes * in.table_stride, in.query_start,
+                                              in.context_lens, b.attn_f32 + decodes * q_size, prefills, mw.num_heads,
+                                              mw.num_kv_heads, dim, mw.block_size, q_size, dim, in.table_stride,
+                                              lw.window, mw.scale});
   }
+  // The prompt rows' work items (the same cut for every layer: it depends only on the rows)
+  const PrefillItems prefill_items(prefill_problems.front());
   const T* embed = static_cast<const T*>(mw.embed);
   const T* cos = static_cast<const T*>(mw.cos);
   const T* sin = static_cast<const T*>(mw.sin);
@@ -181,15 +269,6 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
   auto grab = [&](int64_t items) { return std::max<int64_t>(1, items / (8 * num_threads)); };
   // The epochs are the layers and then the final phases; every work item below may run twice.
   PhaseCounters counters(mw.num_layers * kMaxPhasesPerLayer + kFinalPhases, num_threads, mw.num_layers + 1);
-
-  // The logits' rows: `out` itself when every row samples in order, else a copy of those that do.
-  const bool logits = mw.logits != nullptr && in.logits != nullptr && in.num_logit_rows > 0;
-  const int64_t s = logits ? in.num_logit_rows : 0;
-  bool rows_in_order = s == m;
-  for (int64_t j = 0; j < s && rows_in_order; ++j) rows_in_order = in.logit_rows[j] == j;
-  std::vector<T> picked(rows_in_order ? 0 : s * hidden);
-  std::vector<typename E::Packed> packed_head(LayerBuffers<T>::packed_size(s, hidden));
-  std::vector<T> residual_final(m * hidden);
 
   // sum = residual + addend (the embeddings on the first layer), then normed = norm(sum). The sum is
   // made in `row` and copied, so that `sum` only ever holds its final value.
@@ -217,16 +296,16 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
       const LayerWeights& lw = mw.layers[l];
       LayerBuffers<T>& b = sets[l % 2];
       const LayerBuffers<T>& before = sets[(l + 1) % 2];
-      add_and_norm(l == 0 ? nullptr : before.residual_post.data(), before.down.data(), lw.input_norm,
-                   b.residual_in.data(), b.x_in.data(), split);
-      linear(b.x_in.data(), m, hidden, lw.qkv, lw.qkv_bias, qkv_size, b.qkv.data(), b.packed_qkv.data(), split);
+      add_and_norm(l == 0 ? nullptr : before.residual_post, before.down, lw.input_norm,
+                   b.residual_in, b.x_in, split);
+      linear(b.x_in, m, hidden, lw.qkv, lw.qkv_bias, qkv_size, b.qkv, b.packed_qkv, split);
 
       // Rotary on the q heads (into q) and the k heads, then the new token's K and V into the pools.
       const int64_t heads_per_row = mw.num_heads + 2 * mw.num_kv_heads;
       split.items(m * heads_per_row, grab(m * heads_per_row), [&](int64_t item) {
         const int64_t r = item / heads_per_row, h = item % heads_per_row;
-        const T* head = b.qkv.data() + r * qkv_size + h * dim;
-        T* to = h < mw.num_heads ? b.q.data() + r * q_size + h * dim
+        const T* head = b.qkv + r * qkv_size + h * dim;
+        T* to = h < mw.num_heads ? b.q + r * q_size + h * dim
                                  : static_cast<T*>(h < mw.num_heads + mw.num_kv_heads ? lw.k_cache : lw.v_cache) +
                                        in.slot_mapping[r] * kv_size + (h - mw.num_heads) % mw.num_kv_heads * dim;
         alignas(64) T rotated[kMaxHeadDim];  // rotated here, so that `to` only ever holds its final value
@@ -238,38 +317,39 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
         std::memcpy(to, head, dim * sizeof(T));
       });
 
-      attend<E::kDtype>(problems[l], plans[l], b.partials.get(), split);
+      attend<E::kDtype>(problems[l], plans[l], b.partials, split);
+      split.items(prefill_items.count(), 1, [&](int64_t item) { prefill_items.run<E::kDtype>(prefill_problems[l], item); });
       split.items(m, grab(m), [&](int64_t r) {
         for (int64_t i = r * q_size; i < (r + 1) * q_size; ++i) b.attn[i] = E::store(b.attn_f32[i]);
       });
-      linear(b.attn.data(), m, q_size, lw.o, lw.o_bias, hidden, b.o.data(), b.packed_o.data(), split);
+      linear(b.attn, m, q_size, lw.o, lw.o_bias, hidden, b.o, b.packed_o, split);
 
-      add_and_norm(b.residual_in.data(), b.o.data(), lw.post_norm, b.residual_post.data(), b.x_post.data(), split);
-      linear(b.x_post.data(), m, hidden, lw.gate_up, lw.gate_up_bias, 2 * inter, b.gate_up.data(),
-             b.packed_gate_up.data(), split);
+      add_and_norm(b.residual_in, b.o, lw.post_norm, b.residual_post, b.x_post, split);
+      linear(b.x_post, m, hidden, lw.gate_up, lw.gate_up_bias, 2 * inter, b.gate_up,
+             b.packed_gate_up, split);
       const int64_t spans = (inter + kActivationSpan - 1) / kActivationSpan;
       split.items(m * spans, grab(m * spans), [&](int64_t item) {
         const int64_t r = item / spans, first = item % spans * kActivationSpan;
-        const T* row = b.gate_up.data() + r * 2 * inter;
-        silu_mul(row + first, row + inter + first, b.act.data() + r * inter + first,
+        const T* row = b.gate_up + r * 2 * inter;
+        silu_mul(row + first, row + inter + first, b.act + r * inter + first,
                  std::min(kActivationSpan, inter - first));
       });
-      linear(b.act.data(), m, inter, lw.down, lw.down_bias, hidden, b.down.data(), b.packed_down.data(), split);
+      linear(b.act, m, inter, lw.down, lw.down_bias, hidden, b.down, b.packed_down, split);
     }
     split.begin_epoch(mw.num_layers);
     const LayerBuffers<T>& last = sets[(mw.num_layers + 1) % 2];
-    add_and_norm(last.residual_post.data(), last.down.data(), mw.final_norm, residual_final.data(), out, split);
+    add_and_norm(last.residual_post, last.down, mw.final_norm, residual_final, out, split);
 
     if (logits) {
       const T* rows = out;
       if (!rows_in_order) {
         split.items(s, grab(s), [&](int64_t j) {
-          std::memcpy(picked.data() + j * hidden, out + in.logit_rows[j] * hidden, hidden * sizeof(T));
+          std::memcpy(picked + j * hidden, out + in.logit_rows[j] * hidden, hidden * sizeof(T));
         });
-        rows = picked.data();
+        rows = picked;
       }
       const T* bias = static_cast<const T*>(mw.logits_bias);
-      linear_into<T>(rows, s, hidden, mw.logits, mw.vocab, packed_head.data(), split,
+      linear_into<T>(rows, s, hidden, mw.logits, mw.vocab, packed_head, split,
                      [&](int64_t row, int64_t first_out, const float* acc, int num_outs) {
                        float* logit = in.logits + row * mw.vocab + first_out;
                        for (int o = 0; o < num_outs; ++o)
