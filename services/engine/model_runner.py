@@ -99,11 +99,14 @@ class ModelRunner:
         self.structured_output = StructuredOutputManager(config.model, mc.vocab_size, mc.eos_token_ids)
         self.is_captured = False  # whether steps run the compiled graphs (after warmup)
         self.decode_step = self._native_decode_step()
-        # Steps with prompt chunks too, where the torch forward's prefill attention is the same native
-        # kernel (so both compute the same numbers); not while gathering prompt logprobs (the native step
-        # keeps no hidden states but the sampled rows')
-        self.prompt_steps_run_natively = self.decode_step is not None and getattr(self.attention, "use_native_prefill",
-                                                                                  False)
+        self._native_prefill_attention = getattr(self.attention, "use_native_prefill", False)
+
+    @property
+    def prompt_steps_run_natively(self) -> bool:
+        """Whether steps with prompt chunks run in the native step too: where the torch forward's prefill
+        attention is the same native kernel, so both compute the same numbers (not while a request
+        gathers prompt logprobs: the native step keeps no hidden states but the sampled rows')."""
+        return self.decode_step is not None and self._native_prefill_attention
 
     @property
     def vocab_size(self) -> int:

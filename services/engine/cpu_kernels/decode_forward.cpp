@@ -138,8 +138,8 @@ constexpr int64_t kActivationSpan = 256;  // elements of one row per silu_mul wo
 constexpr size_t kMaxPhasesPerLayer = 18;  // ProgressSplit phases a layer may take (it takes at most 16)
 constexpr size_t kFinalPhases = 4;         // after the layers: the final norm, the logits' rows, x's packing, the head
 
-// The memory a step's buffers are carved from, kept by the thread that runs the steps from one step to
-// the next: it grows to the largest step and stays, and is not cleared (every buffer element is written
+// The memory a step's buffers are carved from, kept by the caller (one per engine) from one step to the
+// next: it grows to the largest step and stays, and is not cleared (every buffer element is written
 // before it is read). Fresh buffers per step cost their zeroing (~2% of a 64-row decode step) and, for a
 // step of prompt chunks (hundreds of MB at 2,048 rows), the page faults of memory the allocator had
 // handed back to the OS.
@@ -206,7 +206,7 @@ struct LayerBuffers {
 };
 
 template <typename T>
-void decode_step(const ModelWeights& mw, const StepInputs& in) {
+void decode_step(const ModelWeights& mw, const StepInputs& in, StepArena& arena) {
   using E = Elem<T>;
   const int64_t m = in.num_rows, hidden = mw.hidden, dim = mw.head_dim, inter = mw.intermediate;
   const int64_t q_size = mw.num_heads * dim, kv_size = mw.num_kv_heads * dim, qkv_size = q_size + 2 * kv_size;
@@ -230,7 +230,6 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
   bool rows_in_order = s == m;
   for (int64_t j = 0; j < s && rows_in_order; ++j) rows_in_order = in.logit_rows[j] == j;
 
-  static thread_local StepArena arena;
   LayerBuffers<T> sets[2];
   T* picked = nullptr;
   typename E::Packed* packed_head = nullptr;
@@ -363,12 +362,17 @@ void decode_step(const ModelWeights& mw, const StepInputs& in) {
 
 extern "C" {
 
+// The buffers of one engine's steps (see StepArena): made once, passed to every step, freed with the engine.
+void* strata_step_arena_new() { return new StepArena(); }
+void strata_step_arena_free(void* arena) { delete static_cast<StepArena*>(arena); }
+
 // dtype: 0 float32, 1 bfloat16 (the weights', the pools' and `out`'s).
-void strata_decode_step(int32_t dtype, const ModelWeights* weights, const StepInputs* inputs) {
+void strata_decode_step(int32_t dtype, const ModelWeights* weights, const StepInputs* inputs, void* arena) {
+  StepArena& buffers = *static_cast<StepArena*>(arena);
   if (dtype == kFloat32)
-    decode_step<float>(*weights, *inputs);
+    decode_step<float>(*weights, *inputs, buffers);
   else
-    decode_step<uint16_t>(*weights, *inputs);
+    decode_step<uint16_t>(*weights, *inputs, buffers);
 }
 
 }  // extern "C"

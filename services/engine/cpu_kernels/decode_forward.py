@@ -61,7 +61,20 @@ class _StepInputs(ctypes.Structure):
 @functools.cache
 def _kernel() -> ctypes._CFuncPtr | None:
     return load_function("decode_forward.cpp", "strata_decode_step",
-                         [ctypes.c_int32, ctypes.POINTER(_ModelWeights), ctypes.POINTER(_StepInputs)])
+                         [ctypes.c_int32, ctypes.POINTER(_ModelWeights), ctypes.POINTER(_StepInputs), _ptr])
+
+
+class _StepArena:
+    """The memory the native steps of one engine carve their buffers from (``StepArena``): it grows to
+    the largest step and is freed with this object."""
+
+    def __init__(self) -> None:
+        self._free = load_function("decode_forward.cpp", "strata_step_arena_free", [_ptr])
+        self.pointer = load_function("decode_forward.cpp", "strata_step_arena_new", [], _ptr)()
+
+    def __del__(self) -> None:
+        if getattr(self, "pointer", None):
+            self._free(self.pointer)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -111,6 +124,7 @@ class DecodeStep:
         self.hidden_size = mc.hidden_size
         self.min_chunk_tokens = min_chunk_tokens
         self._kernel = _kernel()
+        self._arena = _StepArena()
         layers = model.model.layers
         self._layers = (_LayerWeights * len(layers))()
         for slot, layer, (k_cache, v_cache) in zip(self._layers, layers, kv_caches, strict=True):
@@ -180,5 +194,5 @@ class DecodeStep:
                                  _pointer(rows), _pointer(logits), num_decodes, num_prefills,
                                  None if prompts is None else prompts.query_start.data_ptr(),
                                  None if prompts is None else prompts.context_lens.data_ptr())
-            self._kernel(_DTYPE_CODES[self.dtype], ctypes.byref(self._weights), ctypes.byref(inputs))
+            self._kernel(_DTYPE_CODES[self.dtype], ctypes.byref(self._weights), ctypes.byref(inputs), self._arena.pointer)
         return out, logits
