@@ -20,6 +20,12 @@ gateway, the tokenizer and the clients, a thread that lost its core held the oth
 here the threads share each phase's items, and a thread taken away is taken over (``work_split.h``).
 Its GEMMs run on the native panel kernels, 2-6% below oneDNN's on the small shape at 2,048 rows in
 the same process (float32 199-207 against 196-215 GFLOP/s, bfloat16 373-414 against 398-429).
+
+Memory: the step's buffers (every activation of a layer, in two sets that the layers alternate
+between, see ``decode_forward.cpp``) come from an arena each ``DecodeStep`` keeps at the size of the
+largest step it ran: at 2,048 rows (``--max-num-batched-tokens``' default) ~210 MB for the small
+shape in float32 (110 MB in bfloat16), ~1.7 GB for a 7B Llama shape in float32 (0.9 GB in bfloat16),
+beside the torch forward's transient ~one layer's worth.
 """
 
 import ctypes
