@@ -129,8 +129,16 @@ void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* b
   const T* b = static_cast<const T*>(bias);
   linear_into<T>(x, m, k, blocked, n, packed, split, [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
     T* out = y + row * n + first_out;
+#ifdef STRATA_AVX512
+    // one panel's outputs (num_outs <= 16) in one vector: the scalar loop took ~5% of a 64-row step
+    const __mmask16 mask = lanes(num_outs);
+    __m512 sums = _mm512_maskz_loadu_ps(mask, acc);
+    if (b) sums = _mm512_add_ps(sums, load_row16(b + first_out, mask));
+    store16(out, sums, mask);
+#else
     for (int o = 0; o < num_outs; ++o)
       out[o] = Elem<T>::store(acc[o] + (b ? Elem<T>::load(b[first_out + o]) : 0.0f));
+#endif
   });
 }
 
@@ -319,7 +327,14 @@ void decode_step(const ModelWeights& mw, const StepInputs& in, StepArena& arena)
       attend<E::kDtype>(problems[l], plans[l], b.partials, split);
       split.items(prefill_items.count(), 1, [&](int64_t item) { prefill_items.run<E::kDtype>(prefill_problems[l], item); });
       split.items(m, grab(m), [&](int64_t r) {
+#ifdef STRATA_AVX512
+        for (int64_t i = r * q_size; i < (r + 1) * q_size; i += 16) {
+          const __mmask16 mask = lanes((r + 1) * q_size - i);
+          store16(b.attn + i, _mm512_maskz_loadu_ps(mask, b.attn_f32 + i), mask);
+        }
+#else
         for (int64_t i = r * q_size; i < (r + 1) * q_size; ++i) b.attn[i] = E::store(b.attn_f32[i]);
+#endif
       });
       linear(b.attn, m, q_size, lw.o, lw.o_bias, hidden, b.o, b.packed_o, split);
 
@@ -351,8 +366,15 @@ void decode_step(const ModelWeights& mw, const StepInputs& in, StepArena& arena)
       linear_into<T>(rows, s, hidden, mw.logits, mw.vocab, packed_head, split,
                      [&](int64_t row, int64_t first_out, const float* acc, int num_outs) {
                        float* logit = in.logits + row * mw.vocab + first_out;
+#ifdef STRATA_AVX512
+                       const __mmask16 mask = lanes(num_outs);
+                       __m512 sums = _mm512_maskz_loadu_ps(mask, acc);
+                       if (bias) sums = _mm512_add_ps(sums, load_row16(bias + first_out, mask));
+                       _mm512_mask_storeu_ps(logit, mask, round16<T>(sums));
+#else
                        for (int o = 0; o < num_outs; ++o)
                          logit[o] = E::round(acc[o] + (bias ? E::load(bias[first_out + o]) : 0.0f));
+#endif
                      });
     }
   }
