@@ -163,7 +163,8 @@ class ModelRunner:
             rows = self._prepare_rows(scheduler_output.chunks)  # one token each: a decode step, in one native call
             return rows.sample_requests, self.decode_step.logits(rows.input_ids, rows.positions, rows.slot_mapping,
                                                                  rows.block_tables, rows.seq_lens, rows.sample_rows), {}
-        if self.prompt_steps_run_natively and not scheduler_output.one_token_each and not gathering:
+        if (self.prompt_steps_run_natively and not scheduler_output.one_token_each and not gathering
+                and num_tokens <= self.decode_step.max_rows):
             return self._native_prompt_step(scheduler_output.chunks)
         graphed = self.is_captured and (scheduler_output.one_token_each or not self.graphs.decode_only)
         bucket = self.graphs.bucket_for(num_tokens) if graphed else None

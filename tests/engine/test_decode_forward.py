@@ -133,6 +133,28 @@ def test_the_runner_routes_decode_and_prompt_steps_to_the_native_step(checkpoint
     gathering = Request("g", [3, 4, 5], SamplingParams(temperature=0.0, prompt_logprobs=1))
     runner.compute_logits(SchedulerOutput([ScheduledChunk(gathering, 3, [91])]))
     assert len(calls) == 3  # prompt logprobs need every row's hidden state: the torch forward
+    runner.decode_step.max_rows = 2  # more rows than its arena may hold: the torch forward
+    runner.compute_logits(SchedulerOutput([ScheduledChunk(Request("q", [6, 7, 8], SamplingParams()), 3, [92])]))
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_arena_holds_what_arena_bytes_per_row_says(checkpoint, dtype):
+    """``arena_bytes_per_row`` is what bounds a step's rows (``max_rows``): a prompt step of R rows takes
+    at most R times it, beside the head's few rows, and in float32 (x's packed copies at 4 bytes, as
+    counted) not much less."""
+    runner = make_runner(checkpoint, dtype)
+    step = runner.decode_step
+    per_row = decode_forward.arena_bytes_per_row(runner.model_config, runner.dtype)
+    assert step.max_rows == max(64, decode_forward.MAX_ARENA_BYTES // per_row)
+    rows = 200
+    prompt = Request("p", [(5 * j) % 400 + 2 for j in range(rows)], SamplingParams(temperature=0.0))
+    runner.compute_logits(SchedulerOutput([ScheduledChunk(prompt, rows, list(range(-(-rows // BLOCK_SIZE))))]))
+    mc = runner.model_config
+    head = 2 * 16 * (mc.hidden_size + 1) * 4 + 64 * 64  # the head's packed rows, and each buffer's alignment
+    assert step._arena.num_bytes <= rows * per_row + head
+    if dtype == "float32":
+        assert step._arena.num_bytes >= 0.95 * rows * per_row
 
 
 @pytest.mark.slow  # parity over three architectures

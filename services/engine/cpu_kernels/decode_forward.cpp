@@ -171,6 +171,7 @@ class StepArena {
     used_ = 0;
   }
   void restart() { base_ = nullptr, used_ = 0; }
+  int64_t capacity() const { return capacity_; }
 
  private:
   struct Free {
@@ -387,6 +388,7 @@ extern "C" {
 // The buffers of one engine's steps (see StepArena): made once, passed to every step, freed with the engine.
 void* strata_step_arena_new() { return new StepArena(); }
 void strata_step_arena_free(void* arena) { delete static_cast<StepArena*>(arena); }
+int64_t strata_step_arena_bytes(const void* arena) { return static_cast<const StepArena*>(arena)->capacity(); }
 
 // dtype: 0 float32, 1 bfloat16 (the weights', the pools' and `out`'s).
 void strata_decode_step(int32_t dtype, const ModelWeights* weights, const StepInputs* inputs, void* arena) {

@@ -25,7 +25,9 @@ Memory: the step's buffers (every activation of a layer, in two sets that the la
 between, see ``decode_forward.cpp``) come from an arena each ``DecodeStep`` keeps at the size of the
 largest step it ran: at 2,048 rows (``--max-num-batched-tokens``' default) ~210 MB for the small
 shape in float32 (110 MB in bfloat16), ~1.7 GB for a 7B Llama shape in float32 (0.9 GB in bfloat16),
-beside the torch forward's transient ~one layer's worth.
+beside the torch forward's transient ~one layer's worth. A step whose rows would take more than
+``MAX_ARENA_BYTES`` (``max_rows``) runs the torch forward instead, so that a large token budget on a
+large model does not hold gigabytes more than the torch forward would.
 """
 
 import ctypes
@@ -41,6 +43,7 @@ from services.engine.cpu_kernels.build import load_function
 log = logging.getLogger(__name__)
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_ARENA_BYTES = 2 << 30  # the most a step's buffers may take (see Memory above)
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -76,11 +79,29 @@ class _StepArena:
 
     def __init__(self) -> None:
         self._free = load_function("decode_forward.cpp", "strata_step_arena_free", [_ptr])
+        self._bytes = load_function("decode_forward.cpp", "strata_step_arena_bytes", [_ptr], ctypes.c_int64)
         self.pointer = load_function("decode_forward.cpp", "strata_step_arena_new", [], _ptr)()
+
+    @property
+    def num_bytes(self) -> int:
+        """What it holds now (the largest step so far)."""
+        return self._bytes(self.pointer)
 
     def __del__(self) -> None:
         if getattr(self, "pointer", None):
             self._free(self.pointer)
+
+
+def arena_bytes_per_row(mc, dtype: torch.dtype) -> int:
+    """At most what one row of a step takes in the arena: ``decode_forward.cpp``'s two LayerBuffers
+    sets (x's packed copies counted at 4 bytes an element, the most they take) and the final norm's
+    row; a step adds its decode attention's partials and the head's rows beside them."""
+    hidden, q_size, inter = mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size
+    qkv_size = q_size + 2 * mc.num_kv_heads * mc.head_dim
+    element = torch.empty(0, dtype=dtype).element_size()
+    per_set = ((6 * hidden + qkv_size + 2 * q_size + 3 * inter) * element + 4 * q_size
+               + 4 * (2 * (hidden + 1) + (q_size + 1) + (inter + 1)))
+    return 2 * per_set + hidden * element
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -131,6 +152,8 @@ class DecodeStep:
         self.min_chunk_tokens = min_chunk_tokens
         self._kernel = _kernel()
         self._arena = _StepArena()
+        # the most rows a step takes here (more run the torch forward), at least a whole decode batch's
+        self.max_rows = max(64, MAX_ARENA_BYTES // arena_bytes_per_row(mc, self.dtype))
         layers = model.model.layers
         self._layers = (_LayerWeights * len(layers))()
         for slot, layer, (k_cache, v_cache) in zip(self._layers, layers, kv_caches, strict=True):
