@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, on a machine with an NVIDIA GPU whose python3 already holds torch,
-# triton and transformers (no install here): the Triton kernels and the engine on CUDA (eager and
-# CUDA graphs) against HF transformers, then the kernel and engine benchmarks, each beside its
-# baseline. Logs go to $OUT (default /tmp/gpu-check). Usage: bash scripts/gpu-check.sh [quick]
-# (quick: the tests and the small model only, no 8B-shape checkpoint).
+# triton and transformers (no install here), and a protobuf at least as new as services/common/pb's
+# generated code (7.35; carry a wheel where the machine's is older): the Triton kernels and the
+# engine on CUDA (eager and CUDA graphs) against HF transformers, then the kernel and engine
+# benchmarks, each beside its baseline. Logs go to $OUT (default /tmp/gpu-check).
+# Usage: bash scripts/gpu-check.sh [quick] (quick: the tests and the small model only, no 8B shape).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
