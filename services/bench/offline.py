@@ -14,8 +14,9 @@ Then, per `--step-dtypes`, the batch-1 decode step beside its linear-only and ba
 (`services/bench/decode_floors.py`), at a `--step-context`-token context.
 The checkpoint is `--model DIR`, or a random-weight Llama of a shape from `SHAPES` (`--shape`),
 written to a temporary directory (drawn on `--device`, in `--dtype`). The engine warms up as a server
-does before the workload: graphs compiled on the CPU (cached on disk; the first start takes minutes),
-CUDA graphs captured on a GPU; `--enforce-eager` runs without them.
+does before the workload: graphs compiled on the CPU where the native step leaves them steps to
+serve (cached on disk; the first start takes minutes), CUDA graphs captured on a GPU; `--enforce-eager`
+runs without them.
 """
 
 import argparse

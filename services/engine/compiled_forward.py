@@ -6,8 +6,10 @@ smallest bucket ``>= n``; the model runner pads the batch up to it with rows tha
 a scratch KV block no request owns, and never samples them. Larger steps (prefills) run eager. On the
 CPU a decode-only step of at most ``packed_linear.NATIVE_MAX_ROWS`` requests goes to the native decode
 step instead (``cpu_kernels/decode_forward``: the whole model in one call, ~3x faster at batch 1 than
-the graph), so the graphs serve small mixed steps, larger decode batches, and the dtypes and models
-that step does not take.
+the graph), and so does a mixed step where the prefill attention is the native kernel; the graphs
+serve the other small mixed steps (bfloat16 on a CPU with AMX), larger decode batches, and the models
+that step does not take. Where they would serve nothing (float32, or bfloat16 without AMX, up to
+``NATIVE_MAX_ROWS`` requests) the model runner builds none and compiles nothing at start-up.
 
 On the CPU the graph is ``torch.compile`` (inductor's C++ backend) of the whole forward:
 RMSNorm with the residual add, rotary, SiLU·mul and the attention glue fuse into a few loops between

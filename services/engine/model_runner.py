@@ -70,7 +70,8 @@ class ModelRunner:
     It never modifies Request objects: the scheduler advances them from the returned tokens.
 
     Unless ``enforce_eager``, ``warmup`` compiles the model forward for small steps (on the CPU,
-    ``compiled_forward``) or captures it as CUDA graphs for decode steps (on a GPU, ``cuda_graphs``);
+    ``compiled_forward``, where the native step does not already serve them all) or captures it as
+    CUDA graphs for decode steps (on a GPU, ``cuda_graphs``);
     from then on such a step of at most the largest bucket's tokens runs its bucket's graph, padded,
     and any other step runs eager."""
 
@@ -220,15 +221,27 @@ class ModelRunner:
         if self.device.type == "cuda" and self.attention.use_triton_kernels:
             return CudaGraphs(self.model, self.attention, buckets, -(-self.max_model_len // self.block_size),
                               self.device)
+        if self._native_step_serves_small_steps(buckets[-1]):
+            log.info("no compiled graphs: the native step serves every decode and mixed step of up to %d tokens "
+                     "(one that gathers prompt logprobs runs the torch forward)", buckets[-1])
+            return None
         if not can_compile(self.device, self.attention):
             return None
         return DecodeGraphs(self.model, self.attention, buckets)
+
+    def _native_step_serves_small_steps(self, num_tokens: int) -> bool:
+        """Whether the native step (``_native_decode_step``) will run every step of up to ``num_tokens``
+        tokens that a compiled graph could: decodes, and mixed steps where the prefill attention is the
+        native kernel. Then compiling graphs at start-up (a minute on a first start) would buy nothing."""
+        return (num_tokens <= NATIVE_MAX_ROWS and not self.attention.use_triton_kernels
+                and getattr(self.attention, "use_native_prefill", False)
+                and decode_forward.unsupported_reason(self.model, self.dtype, self.device) is None)
 
     def _native_decode_step(self) -> decode_forward.DecodeStep | None:
         """The whole decode step as one native call (``cpu_kernels/decode_forward``), where it can run."""
         if self.attention.use_triton_kernels:
             return None
-        reason = decode_forward.unsupported_reason(self.model, self.kv_caches, self.dtype, self.device)
+        reason = decode_forward.unsupported_reason(self.model, self.dtype, self.device, self.kv_caches)
         if reason is not None:
             log.info("decode steps run the model forward: the native decode step is off (%s)", reason)
             return None

@@ -12,7 +12,9 @@ from torch._dynamo.utils import counters
 from services.engine import compiled_forward
 from services.engine.compiled_forward import DecodeGraphs, default_buckets
 from services.engine.config import EngineConfig
+from services.engine.cpu_kernels import decode_forward
 from services.engine.model_runner import ModelRunner
+from services.engine.models.packed_linear import NATIVE_MAX_ROWS
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -51,8 +53,12 @@ def checkpoint(tmp_path_factory):
 
 
 def make_runner(path, dtype: str, **overrides) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(path), dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
-                                    max_num_seqs=MAX_NUM_SEQS, **overrides))
+    """A runner without the native step, which would otherwise serve every step a graph could here (so the
+    runner would compile none): decode-only steps go to the graphs or the torch forward."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_forward, "unsupported_reason", lambda *args: "off: these tests run the graphs")
+        return ModelRunner(EngineConfig(model=str(path), dtype=dtype, block_size=BLOCK_SIZE,
+                                        num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS, **overrides))
 
 
 def compiled_and_eager(path, dtype: str) -> tuple[ModelRunner, ModelRunner]:
@@ -60,10 +66,7 @@ def compiled_and_eager(path, dtype: str) -> tuple[ModelRunner, ModelRunner]:
     compiled = make_runner(path, dtype)
     compiled.warmup()
     assert compiled.is_captured
-    eager = make_runner(path, dtype, enforce_eager=True)
-    for runner in (compiled, eager):  # decode-only steps go to the graphs and the torch forward, not the native step
-        runner.decode_step = None
-    return compiled, eager
+    return compiled, make_runner(path, dtype, enforce_eager=True)
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -165,6 +168,24 @@ def test_failed_compilation_runs_eager_with_a_warning(checkpoint, monkeypatch, c
     assert not runner.is_captured
     assert [r.message for r in caplog.records if r.levelno == logging.WARNING] == [
         "compiling the decode graphs failed: the model runs eager"]
+
+
+def test_no_graphs_where_the_native_step_serves_every_small_step(checkpoint, caplog):
+    """In float32 the native step runs decode steps and mixed steps alike (its prefill attention is the
+    torch forward's): graphs would serve none of them, so none are built, up to ``NATIVE_MAX_ROWS``
+    requests; a larger ``--max-num-seqs`` has decode steps the native step does not take."""
+    config = dict(model=str(checkpoint), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)
+    with caplog.at_level(logging.INFO, logger="services.engine.model_runner"):
+        runner = ModelRunner(EngineConfig(**config, max_num_seqs=NATIVE_MAX_ROWS))
+    if runner.decode_step is None:
+        pytest.skip("the native step is not built here")
+    assert runner.prompt_steps_run_natively and runner.graphs is None
+    assert any(r.message.startswith("no compiled graphs: the native step serves") for r in caplog.records)
+    assert runner.kv_caches[0][0].shape[0] == NUM_KV_BLOCKS  # no scratch block
+    runner.warmup()
+    assert not runner.is_captured
+    wider = ModelRunner(EngineConfig(**config, max_num_seqs=NATIVE_MAX_ROWS + 1))
+    assert isinstance(wider.graphs, DecodeGraphs) and wider.graphs.buckets[-1] == NATIVE_MAX_ROWS + 1
 
 
 def test_enforce_eager_builds_no_graphs(checkpoint):

@@ -108,8 +108,9 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def unsupported_reason(model, kv_caches: list, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why ``DecodeStep`` cannot serve this model here, or None when it can."""
+def unsupported_reason(model, dtype: torch.dtype, device: torch.device, kv_caches: list = ()) -> str | None:
+    """Why ``DecodeStep`` cannot serve this model here (over these K/V pools, where given), or None
+    when it can."""
     mc = model.config
     if device.type != "cpu" or dtype not in _DTYPE_CODES:
         return f"it runs float32 and bfloat16 on the CPU, not {dtype} on {device.type}"

@@ -6,7 +6,6 @@ Parameter names mirror Hugging Face's, except that q/k/v and gate/up are fused a
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.cpu_kernels import fused_ops
@@ -77,7 +76,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionBackend, max_positions: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        # weights loaded later, so not initialised (skip_init's meta-device init of an embedding imports dynamo: ~2 s)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attention, dtype, device)
                                     for i in range(config.num_layers))
