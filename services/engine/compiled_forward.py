@@ -7,8 +7,9 @@ a scratch KV block no request owns, and never samples them. Larger steps (prefil
 CPU a decode-only step of at most ``packed_linear.NATIVE_MAX_ROWS`` requests goes to the native decode
 step instead (``cpu_kernels/decode_forward``: the whole model in one call, ~3x faster at batch 1 than
 the graph), and so does a mixed step where the prefill attention is the native kernel; the graphs
-serve the other small mixed steps (bfloat16 on a CPU with AMX), larger decode batches, and the models
-that step does not take. Where they would serve nothing (float32, or bfloat16 without AMX, up to
+serve the other small mixed steps (bfloat16 on a CPU with AMX where that kernel cannot use the tiles,
+a head_dim not a multiple of 32), larger decode batches, and the models that step does not take. Where
+they would serve nothing (float32 and bfloat16 where the native prefill kernel runs, up to
 ``NATIVE_MAX_ROWS`` requests) the model runner builds none and compiles nothing at start-up.
 
 On the CPU the graph is ``torch.compile`` (inductor's C++ backend) of the whole forward:

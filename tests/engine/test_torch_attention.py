@@ -9,7 +9,7 @@ import torch
 
 from services.engine.attention import AttentionMetadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
-from services.engine.cpu_kernels import paged_decode
+from services.engine.cpu_kernels import paged_decode, paged_prefill
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 NUM_BLOCKS = 64
@@ -89,12 +89,15 @@ def test_every_path_matches_reference(window, decode_path):
     assert not index.prefills if decode_path == "native" else len(index.prefills) == len(requests) - decodes
 
 
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_prefill_takes_the_native_kernel_where_it_beats_sdpa(dtype):
+def test_prefill_takes_the_native_kernel_where_it_keeps_up_with_sdpa(dtype, head_dim):
     if not paged_decode.is_available():
         pytest.skip("no C++ compiler: the native kernels are off")
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, dtype)
-    # bfloat16: SDPA where the CPU has AMX tiles for it, the native kernel elsewhere
-    native = dtype != torch.bfloat16 or not torch.cpu._is_amx_tile_supported()
-    assert backend.use_native_prefill == native
-    assert not TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, dtype, False).use_native_prefill
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, head_dim, head_dim ** -0.5, dtype)
+    # bfloat16: SDPA where the CPU has AMX tiles for it that the kernel does not use (a head_dim of 8),
+    # the native kernel elsewhere
+    amx = torch.cpu._is_amx_tile_supported()
+    assert paged_prefill.bf16_uses_amx(head_dim) == (amx and head_dim % 32 == 0)
+    assert backend.use_native_prefill == (dtype != torch.bfloat16 or not amx or head_dim % 32 == 0)
+    assert not TorchAttentionBackend(HEADS, KV_HEADS, head_dim, head_dim ** -0.5, dtype, False).use_native_prefill

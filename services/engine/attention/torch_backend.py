@@ -17,20 +17,22 @@ Five paths, chosen per request:
   kernel): the contexts are gathered from the pool whole blocks at a time with one ``index_select``
   (contiguous copies of ``block_size`` tokens, about twice as fast as token rows), padded to the
   longest, and attended with ``scaled_dot_product_attention`` under a length mask.
-- **Native prefill** (more than one new token, float32 or float16, and bfloat16 on a CPU without AMX,
-  on the CPU where ``cpu_kernels.paged_prefill`` is built): a C++ kernel attends every prefill row of
+- **Native prefill** (more than one new token, float32 or float16, and bfloat16 where the kernel runs on
+  AMX tiles or the CPU has none, on the CPU where ``cpu_kernels.paged_prefill`` is built): a C++ kernel attends every prefill row of
   the step in one call, causally, straight from the pools (cached prefix, earlier chunks and the new K/V
   alike), skipping the keys past each block of queries. Against the SDPA path below, one prompt of the
   small shape's heads (8 over 4, dim 64), two threads: float32 1.4-1.6x faster at 128-288 tokens, 2.0x
   at 512, 1.1x at 2048; float16 1.6-1.9x at 128-512, 1.2x at 2048 (a 2-core Xeon). On a 2-core Zen 3
   (AVX2): float32 1.3-1.6x at 128-512, 1.0x at 2048; bfloat16 1.6-1.7x at 288-512, 1.3x at 2048. On a
   2-core Zen 4 (AVX512-BF16, where bfloat16 multiplies in bfloat16 pairs): bfloat16 2.9-3.6x at 128-512,
-  2.3x at 2048.
+  2.3x at 2048. On a 2-vCPU Xeon with AMX, where bfloat16 runs on its tiles (head_dim a multiple of 32):
+  against SDPA on the same tiles 1.06-1.2x faster at 288-512 tokens, 0.95x at 2048, 0.6x at 64 (0.27,
+  0.70, 8.3 and 0.070 ms), where the bfloat16 pairs ran 1.5-3.2x slower than SDPA.
 - **Prefill** otherwise, one ``scaled_dot_product_attention`` per request, so no work is spent on
   padding: a request without a cached prefix attends its own new K/V with ``is_causal``; one with a
   prefix gathers its context from the pool under a causal mask offset by it. bfloat16 stays here where
-  the CPU has AMX: SDPA's CPU kernel runs it on the tiles, 1.8-3x faster than the native kernel's float32
-  FMAs (measured before its bfloat16 pairs, which a CPU with AMX also has: worth measuring again there).
+  the CPU has AMX but the kernel cannot use it (a head_dim not a multiple of 32): SDPA's CPU kernel
+  runs it on the tiles.
 
 A layer with a sliding window W (Mistral, some Qwen2 layers) sees the last W positions only: its decode
 rows list just those, and its prefill masks cut what lies further back. The cache keeps every block.
@@ -49,11 +51,13 @@ from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.cpu_kernels import paged_decode, paged_prefill
 
 
-def native_prefill_dtypes() -> tuple[torch.dtype, ...]:
-    """Where the native prefill kernel beats SDPA (see the module docstring): float32 and float16, and
-    bfloat16 where the CPU has no AMX tiles for SDPA to run it on (torch unable to say: as with AMX)."""
-    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: True)()
-    return (torch.float32, torch.float16) if has_amx else (torch.float32, torch.float16, torch.bfloat16)
+def native_prefill_keeps_up(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the native prefill kernel is at least as fast as SDPA here (see the module docstring):
+    float32 and float16; bfloat16 where the kernel runs on AMX tiles too, or where the CPU has none for
+    SDPA to run it on (torch unable to say: as with AMX)."""
+    if dtype != torch.bfloat16 or paged_prefill.bf16_uses_amx(head_dim):
+        return True
+    return not getattr(torch.cpu, "_is_amx_tile_supported", lambda: True)()
 
 
 # The decode path builds a CSR pattern per step; torch says once per process that CSR is beta.
@@ -119,8 +123,8 @@ class TorchAttentionBackend(AttentionBackend):
         no compiler)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.use_native_decode = use_native_kernels and paged_decode.can_run(num_heads, num_kv_heads, head_dim, dtype)
-        self.use_native_prefill = (use_native_kernels and dtype in native_prefill_dtypes()
-                                   and paged_prefill.can_run(num_heads, num_kv_heads, head_dim, dtype))
+        self.use_native_prefill = (use_native_kernels and paged_prefill.can_run(num_heads, num_kv_heads, head_dim, dtype)
+                                   and native_prefill_keeps_up(dtype, head_dim))
         self.use_sparse_decode = dtype == torch.float32
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:

@@ -19,15 +19,21 @@ operations, was one OpenMP region per operation with a barrier at its end: on co
 gateway, the tokenizer and the clients, a thread that lost its core held the other at each barrier;
 here the threads share each phase's items, and a thread taken away is taken over (``work_split.h``).
 Its GEMMs run on the native panel kernels, 2-6% below oneDNN's on the small shape at 2,048 rows in
-the same process (float32 199-207 against 196-215 GFLOP/s, bfloat16 373-414 against 398-429).
+the same process on a 2-core Zen 4 (float32 199-207 against 196-215 GFLOP/s, bfloat16 373-414 against
+398-429). On a 2-vCPU Xeon with AMX they fall behind from a few hundred rows (bfloat16 on the tiles:
+the small shape's four projections 1.00-1.02x oneDNN's time at 256-512 rows, 1.16x at 1,024, 1.59x at
+2,048), so a step of more than ``MAX_NATIVE_ROWS`` rows runs the torch forward (oneDNN's GEMMs, the same
+native attention): ``strata bench offline`` (64 prompts of 64-512 tokens, mostly prefill) ran 3,330 tok/s
+in bfloat16 with every prompt step native and 3,770 with those past 512 rows on the torch forward
+(float32 1,280 against 1,420-1,510), two runs each, 256 and 768 rows within the noise of 512.
 
 Memory: the step's buffers (every activation of a layer, in two sets that the layers alternate
 between, see ``decode_forward.cpp``) come from an arena each ``DecodeStep`` keeps at the size of the
-largest step it ran: at 2,048 rows (``--max-num-batched-tokens``' default) ~210 MB for the small
-shape in float32 (110 MB in bfloat16), ~1.7 GB for a 7B Llama shape in float32 (0.9 GB in bfloat16),
-beside the torch forward's transient ~one layer's worth. A step whose rows would take more than
-``MAX_ARENA_BYTES`` (``max_rows``) runs the torch forward instead, so that a large token budget on a
-large model does not hold gigabytes more than the torch forward would.
+largest step it ran: at ``MAX_NATIVE_ROWS`` (512) rows ~52 MB for the small shape in float32 (27 MB in
+bfloat16), ~425 MB for a 7B Llama shape in float32 (225 MB in bfloat16), beside the torch forward's
+transient ~one layer's worth. A step whose rows would take more than ``MAX_ARENA_BYTES`` (``max_rows``,
+for a model far larger than 7B) runs the torch forward instead, so that it does not hold gigabytes more
+than the torch forward would.
 """
 
 import ctypes
@@ -44,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ARENA_BYTES = 2 << 30  # the most a step's buffers may take (see Memory above)
+MAX_NATIVE_ROWS = 512  # more rows run the torch forward, whose oneDNN GEMMs are then faster (see above)
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -154,7 +161,7 @@ class DecodeStep:
         self._kernel = _kernel()
         self._arena = _StepArena()
         # the most rows a step takes here (more run the torch forward), at least a whole decode batch's
-        self.max_rows = max(64, MAX_ARENA_BYTES // arena_bytes_per_row(mc, self.dtype))
+        self.max_rows = max(64, min(MAX_NATIVE_ROWS, MAX_ARENA_BYTES // arena_bytes_per_row(mc, self.dtype)))
         layers = model.model.layers
         self._layers = (_LayerWeights * len(layers))()
         for slot, layer, (k_cache, v_cache) in zip(self._layers, layers, kv_caches, strict=True):

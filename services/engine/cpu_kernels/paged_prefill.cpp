@@ -24,6 +24,11 @@
 // against 5.0 ms (3.9 with only the scores in pairs). Rounding the weights costs an output bit at times:
 // ~8% of the outputs one bfloat16 step from the float64 reference, where the float32 weights (and torch's
 // CPU SDPA) missed almost none; the Triton kernel rounds them alike (`p.to(v.dtype)`).
+//
+// On a CPU with AMX (and a head_dim in whole tiles of 32) the same bfloat16 products run on the tiles
+// (scores_amx, accumulate_amx): one prompt of the small shape's heads (8 over 4, dim 64), two threads
+// of a 2-vCPU Xeon, 0.27 ms at 288 tokens and 8.3 at 2,048 against 0.59 and 23.2 on the pairs, and
+// against torch's SDPA on the same tiles 0.29 and 7.9 (which is why bfloat16 used to stay on SDPA there).
 
 #include <memory>
 
@@ -64,6 +69,16 @@ void strata_paged_prefill(int32_t dtype, const void* q, const void* k_cache, con
     case kBFloat16: run<kBFloat16>(p); break;
     case kFloat16: run<kFloat16>(p); break;
   }
+}
+
+// 1 where bfloat16 rows of this head_dim run on the AMX tiles here (paged_prefill_kernels.h), else 0.
+int32_t strata_paged_prefill_bf16_uses_amx(int64_t head_dim) {
+#ifdef STRATA_AMX
+  return amx_serves_prefill(head_dim);
+#else
+  (void)head_dim;
+  return 0;
+#endif
 }
 
 }  // extern "C"

@@ -7,7 +7,8 @@ Per kv head and block of query tokens, the GQA group's query rows run an online 
 tiles of keys, as FMAs that keep every lane busy (no dot product reduced across lanes); tiles past a
 block's last position are skipped. bfloat16 pools on a CPU with AVX512-BF16 multiply bfloat16 pairs
 instead (scores, and P V with the weights rounded to bfloat16, as FlashAttention does on a GPU), twice
-as fast and at times an output bit off (see the kernel). Measured against
+as fast and at times an output bit off (see the kernel), and on a CPU with AMX the same products run on
+its tiles (``bf16_uses_amx``). Measured against
 ``scaled_dot_product_attention`` per request, the path it replaces for float32 on the CPU: see
 ``attention/torch_backend.py``.
 """
@@ -31,6 +32,14 @@ def _kernel() -> ctypes._CFuncPtr | None:
 def is_available() -> bool:
     """Whether the native kernel is built and loaded here (else callers keep their torch path)."""
     return _kernel() is not None
+
+
+def bf16_uses_amx(head_dim: int) -> bool:
+    """Whether bfloat16 rows of ``head_dim`` run on AMX tiles here (a CPU with AMX that Linux grants the
+    process, and a head_dim in whole tiles of 32)."""
+    uses_amx = load_function("paged_prefill.cpp", "strata_paged_prefill_bf16_uses_amx", [ctypes.c_int64],
+                             ctypes.c_int32)
+    return uses_amx is not None and bool(uses_amx(head_dim))
 
 
 def can_run(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "paged_decode_kernels.h"  // load16 / load8, lanes, exp_nonpositive(8), prefetch
 
 #if defined(STRATA_AVX512) && defined(__AVX512BF16__)
@@ -52,6 +53,12 @@ struct Scratch {
   alignas(64) uint32_t v_pairs[kKeyTile / 2 * kMaxHeadDim];  // [j * ld + d]: (v_2j[d], v_2j+1[d])
   alignas(64) uint32_t w_pairs[kKeyTile / 2][kRows];         // [j][r]: (weight_2j[r], weight_2j+1[r])
   const uint32_t* key_rows[kKeyTile];                        // the tile's K rows in the pool, as pairs
+#endif
+#ifdef STRATA_AMX
+  // The AMX path's operands (see scores_amx, accumulate_amx): the tile's K rows as they lie in the pool,
+  // one after another, and each row's weights as [row][key pair]
+  alignas(64) uint16_t k_rows[kKeyTile * kMaxHeadDim];
+  alignas(64) uint32_t p_pairs[kRows][kKeyTile / 2];
 #endif
   int64_t ld = 0;
 };
@@ -427,18 +434,92 @@ void score_key_pairs(const Scratch& s, int64_t dim, int64_t n, float scale, floa
   }
 }
 
+// The weights of keys 2j and 2j + 1 (zero past n) of rows r0 .. r0 + 15, rounded to bfloat16, as 16 pairs.
+inline __m512i weight_pairs(const Scratch& s, int64_t j, int64_t n, int64_t r0) {
+  static const __m512i interleave = [] {  // even's 16 words, then odd's -> (even[i], odd[i])
+    alignas(64) int16_t index[32];
+    for (int i = 0; i < 16; ++i) index[2 * i] = int16_t(i), index[2 * i + 1] = int16_t(16 + i);
+    return _mm512_load_si512(index);
+  }();
+  const __m512 even = _mm512_load_ps(s.scores[2 * j] + r0);
+  const __m512 odd = 2 * j + 1 < n ? _mm512_load_ps(s.scores[2 * j + 1] + r0) : _mm512_setzero_ps();
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
 // w_pairs[j][r] = row r's weights of keys 2j and 2j + 1 (zero past n), rounded to bfloat16.
 void pair_weights(Scratch& s, int64_t n) {
-  alignas(64) int16_t index[32];
-  for (int i = 0; i < 16; ++i) index[2 * i] = int16_t(i), index[2 * i + 1] = int16_t(16 + i);
-  const __m512i interleave = _mm512_load_si512(index);
   for (int64_t j = 0; 2 * j < n; ++j)
-    for (int64_t r0 = 0; r0 < kRows; r0 += 16) {
-      const __m512 even = _mm512_load_ps(s.scores[2 * j] + r0);
-      const __m512 odd = 2 * j + 1 < n ? _mm512_load_ps(s.scores[2 * j + 1] + r0) : _mm512_setzero_ps();
-      const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even's 16 words, then odd's
-      _mm512_store_si512(s.w_pairs[j] + r0, _mm512_permutexvar_epi16(interleave, halves));
+    for (int64_t r0 = 0; r0 < kRows; r0 += 16) _mm512_store_si512(s.w_pairs[j] + r0, weight_pairs(s, j, n, r0));
+}
+#endif
+
+#ifdef STRATA_AMX
+// The AMX path (bfloat16, head_dim a multiple of 32, AMX granted): the two products of each key tile on
+// the matrix unit, the softmax as the pairs path runs it. The operands are the pairs path's, laid out for
+// TDPBF16PS (amx_tiles.h), which adds products of the same bfloat16 operands in float32:
+//   scores^T [keys][rows] = K Q^T: A = 16 keys' rows as they lie (a row of 32 dims is 16 pairs), B = Q^T
+//                           as q_pairs, [dim pair][row];
+//   O [rows][dims] += P V:  A = each row's weights as key pairs (p_pairs), B = V as v_pairs, [key pair][dim],
+//                           O's tile loaded from s.o and stored back (the softmax rescales it in memory).
+// Tiles: 0-1 scores (two 16-key halves), 2-3 their K halves, 4 Q^T; 5 P, 6 V, 7 O.
+inline bool amx_serves_prefill(int64_t head_dim) { return head_dim % 32 == 0 && amx_granted(); }
+
+// The tile's n K rows (key_rows) one after another in k_rows; rows past n zero.
+void copy_key_rows(Scratch& s, int64_t dim, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) std::memcpy(s.k_rows + t * dim, s.key_rows[t], dim * sizeof(uint16_t));
+  if (n < kKeyTile) std::fill(s.k_rows + n * dim, s.k_rows + kKeyTile * dim, uint16_t(0));
+}
+
+// scores[t][r] = scale * q_r . k_t for t < n (the keys past n score 0) and the rows below `rows` rounded up to 16.
+void scores_amx(Scratch& s, int64_t dim, int64_t n, int64_t rows, float scale) {
+  const int64_t q_stride = kRows * sizeof(uint32_t), k_stride = dim * sizeof(uint16_t);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+      _tile_loadd(4, s.q_pairs[d0 / 2] + r0, q_stride);
+      _tile_loadd(2, s.k_rows + d0, k_stride);
+      _tile_dpbf16ps(0, 2, 4);
+      if (n > 16) {
+        _tile_loadd(3, s.k_rows + 16 * dim + d0, k_stride);
+        _tile_dpbf16ps(1, 3, 4);
+      }
     }
+    _tile_stored(0, s.scores[0] + r0, q_stride);
+    if (n > 16) _tile_stored(1, s.scores[16] + r0, q_stride);
+  }
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+      _mm512_store_ps(s.scores[t] + r0, _mm512_mul_ps(_mm512_load_ps(s.scores[t] + r0), scale16));
+}
+
+// p_pairs[r][j] = row r's weights of keys 2j and 2j + 1 (zero past n), rounded to bfloat16, for the rows
+// below `rows` rounded up to 16: pairs as pair_weights makes them, then 16 x 16 transposes of 32-bit words.
+void pair_weights_by_row(Scratch& s, int64_t n, int64_t rows) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    __m512 block[16];  // block[j]: the pairs of keys 2j, 2j + 1 of rows r0 .. r0 + 15
+    for (int64_t j = 0; j < kKeyTile / 2; ++j)
+      block[j] = 2 * j < n ? _mm512_castsi512_ps(weight_pairs(s, j, n, r0)) : _mm512_setzero_ps();
+    transpose16(block);
+    for (int64_t i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(s.p_pairs[r0 + i]), block[i]);
+  }
+}
+
+// o[r] += sum_t weight[t][r] * v_t over the tile's n keys, for the rows below `rows` rounded up to 16.
+void accumulate_amx(Scratch& s, int64_t dim, int64_t n, int64_t rows) {
+  const int64_t pairs = (n + 1) / 2;  // v_pairs' rows past them: zero, so that stale values add nothing
+  if (pairs < kKeyTile / 2) std::fill(s.v_pairs + pairs * s.ld, s.v_pairs + kKeyTile / 2 * s.ld, 0u);
+  const int64_t o_stride = s.ld * sizeof(float), v_stride = s.ld * sizeof(uint32_t);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    _tile_loadd(5, s.p_pairs[r0], kKeyTile / 2 * sizeof(uint32_t));
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      _tile_loadd(7, s.o + r0 * s.ld + d0, o_stride);
+      _tile_loadd(6, s.v_pairs + d0, v_stride);
+      _tile_dpbf16ps(7, 5, 6);
+      _tile_stored(7, s.o + r0 * s.ld + d0, o_stride);
+    }
+  }
 }
 #endif
 
@@ -473,6 +554,24 @@ void attend_block(const PrefillProblem& p, int64_t req, int64_t kv_head, int64_t
   };
   const int64_t last = context + first + tokens - 1;  // the last query's position: no key lies past it
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, context + first - p.window + 1) : 0;
+#ifdef STRATA_AMX
+  if (Dt == kBFloat16 && amx_serves_prefill(dim)) {
+    configure_tiles();
+    load_query_pairs(p, q_offset, rows, s);
+    for (int64_t t0 = lo; t0 <= last; t0 += kKeyTile) {
+      const int64_t n = std::min(kKeyTile, last + 1 - t0);
+      load_key_value_pairs(p, table, kv_head, t0, n, last, s);
+      copy_key_rows(s, dim, n);
+      scores_amx(s, dim, n, rows, p.scale);
+      softmax_keys(s, dim, t0, n, p.window);
+      pair_weights_by_row(s, n, rows);
+      accumulate_amx(s, dim, n, rows);
+    }
+    _tile_release();
+    write_rows(p, req, kv_head, first, rows, s);
+    return;
+  }
+#endif
 #ifdef STRATA_BF16_PAIRS
   if (Dt == kBFloat16 && dim % 2 == 0) {
     load_query_pairs(p, q_offset, rows, s);
