@@ -19,6 +19,7 @@ from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    DirectBodyMiddleware,
     ErrorBoundaryMiddleware,
     ErrorCountMiddleware,
     HttpMetricsMiddleware,
@@ -184,4 +185,5 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(ErrorBoundaryMiddleware)  # and once more outermost, for the middleware themselves
+    app.add_middleware(DirectBodyMiddleware)  # a stream's chunks past all of the above
     return app

@@ -30,6 +30,7 @@ from services.gateway.drain import Drain
 from services.gateway.errors import OpenAIError
 from services.gateway.generation import FanOut, Step, plan_choices
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.middleware import DIRECT_BODY_SEND
 from services.gateway.reasoning import ReasoningParser
 from services.gateway.upstream import Upstream
 from services.gateway.validation import GenerationParams, Limits, ModelFacts, resolve_max_tokens
@@ -329,17 +330,27 @@ async def _collect(ctx: RequestContext, renderer: Renderer, fanout: FanOut, usag
 
 class _ChoiceStream(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends, even when the client left before
-    the body iterator started (then the iterator's own cleanup never runs)."""
+    the body iterator started (then the iterator's own cleanup never runs). Its start and its last
+    message go through the middleware, the events in between straight to the server (``DIRECT_BODY_SEND``)."""
 
     def __init__(self, body: AsyncIterator[bytes], on_close) -> None:
         super().__init__(body, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
         self._on_close = on_close
+        self._direct_send = None
 
     async def __call__(self, scope, receive, send) -> None:
+        self._direct_send = scope.get(DIRECT_BODY_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        send_event = self._direct_send or send
+        async for event in self.body_iterator:
+            await send_event({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Renderer,
