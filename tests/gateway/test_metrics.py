@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from services.gateway.app import GatewayConfig, create_app
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.middleware import HttpMetricsMiddleware
+from services.gateway.middleware import DirectBodyMiddleware, HttpMetricsMiddleware
+from services.gateway.serving import _ChoiceStream
 
 CONFIG = GatewayConfig(tokenizer_addr="127.0.0.1:9", engine_addr="127.0.0.1:9", api_key="sk-test")
 ENGINE_SERIES = ("strata:num_requests_running", "strata:num_requests_waiting", "strata:engine_num_requests_running",
@@ -64,4 +65,46 @@ def test_a_streams_duration_runs_to_its_last_byte():
         assert client.get("/stream/a").text == "data: x\n\n" * 3
     labels = {"method": "GET", "route": "/stream/{name}", "status": "200"}
     assert metrics.registry.get_sample_value("strata:http_request_duration_seconds_count", labels) == 1
+    assert metrics.registry.get_sample_value("strata:http_request_duration_seconds_sum", labels) >= 0.3
+
+
+def test_a_streams_events_go_past_the_middleware_which_still_see_its_start_and_end():
+    """`DirectBodyMiddleware`: the gateway's SSE response sends its start and its last message through
+    the middleware inside, its events in between straight to the server; the client gets every event,
+    and the duration still runs to the last byte."""
+    metrics = GatewayMetrics()
+    app = FastAPI()
+    seen = []
+    closed = []
+
+    @app.get("/stream")
+    async def stream():
+        async def body():
+            for i in range(3):
+                await asyncio.sleep(0.1)
+                yield f"data: {i}\n\n".encode()
+        return _ChoiceStream(body(), lambda: closed.append(True))
+
+    class Recording:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+
+            async def recording_send(message):
+                seen.append((message["type"], message.get("more_body", False)))
+                await send(message)
+            await self.app(scope, receive, recording_send)
+
+    app.add_middleware(Recording)
+    app.add_middleware(HttpMetricsMiddleware, histogram=metrics.http_request_duration, paths=frozenset())
+    app.add_middleware(DirectBodyMiddleware)
+    with TestClient(app) as client:
+        response = client.get("/stream")
+    assert response.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert seen == [("http.response.start", False), ("http.response.body", False)]
+    assert closed == [True]
+    labels = {"method": "GET", "route": "/stream", "status": "200"}
     assert metrics.registry.get_sample_value("strata:http_request_duration_seconds_sum", labels) >= 0.3
