@@ -24,8 +24,8 @@ the same process on a 2-core Zen 4 (float32 199-207 against 196-215 GFLOP/s, bfl
 the small shape's four projections 1.00-1.02x oneDNN's time at 256-512 rows, 1.16x at 1,024, 1.59x at
 2,048), so a step of more than ``MAX_NATIVE_ROWS`` rows runs the torch forward (oneDNN's GEMMs, the same
 native attention): ``strata bench offline`` (64 prompts of 64-512 tokens, mostly prefill) ran 3,330 tok/s
-in bfloat16 with every prompt step native and 3,770 with those past 512 rows on the torch forward
-(float32 1,280 against 1,420-1,510), two runs each, 256 and 768 rows within the noise of 512.
+in bfloat16 with every prompt step native and 3,570-3,770 with those past 512 rows on the torch forward
+(float32 1,280 against 1,390-1,510), two to four runs each, 256 and 768 rows within the noise of 512.
 
 Memory: the step's buffers (every activation of a layer, in two sets that the layers alternate
 between, see ``decode_forward.cpp``) come from an arena each ``DecodeStep`` keeps at the size of the
