@@ -703,56 +703,43 @@ void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const uint16
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
     const int64_t num_runs = (num_panels + kAmxPanelsPerGrab - 1) / kAmxPanelsPerGrab;
     bool configured = false;
-    // A work item is a run of panels, against every row: 64 rows at a time through each of its panels,
-    // so that the run's weight (128 KB at a K of 512) stays in cache while the rows go by, and each 64
-    // rows of x are read once per run. (Panels outermost read all of x once per panel: at 2,048 rows,
-    // 2 MB per panel from beyond L2, and the small shape's projections ran 3x slower than oneDNN's.)
+    // A work item is a run of panels, against every row: a group of row tiles at a time through each
+    // panel of the run (or pair of panels), so that the run's weight (128 KB at a K of 512) stays in
+    // cache while the rows go by, and each group's rows of x are read once per run. (Panels outermost
+    // read all of x once per panel: at 2,048 rows, 2 MB per panel from beyond L2, and the small shape's
+    // projections ran 3x slower than oneDNN's.) Up to 64 rows, four row tiles against one panel
+    // (panel_amx: the weight streams in once for all the rows); past that, two by two (panels_amx).
+    const bool by_pairs = row_tiles > kMaxRowTiles;
+    const int64_t group_tiles = by_pairs ? 2 : kMaxRowTiles, group_panels = by_pairs ? 2 : 1;
     split.items(num_runs, 1, [&](int64_t run) {
         if (!configured) configure_tiles(), configured = true;
         alignas(64) float acc[kMaxRowTiles * kTileRows][kPanel];
         const int64_t last_panel = std::min(num_panels, (run + 1) * kAmxPanelsPerGrab);
-        if (row_tiles > kMaxRowTiles) {  // two row tiles by two panels (panels_amx)
-            for (int64_t t0 = 0; t0 < row_tiles; t0 += 2) {
-                const int tiles = int(std::min<int64_t>(2, row_tiles - t0));
-                const uint16_t* a[2] = {tile_rows(t0), tile_rows(std::min(t0 + 1, row_tiles - 1))};
-                const int64_t a_stride[2] = {tile_stride(t0), tile_stride(std::min(t0 + 1, row_tiles - 1))};
-                const int64_t rows = std::min<int64_t>(tiles * kTileRows, m - t0 * kTileRows);
-                for (int64_t p = run * kAmxPanelsPerGrab; p < last_panel; p += 2) {
-                    const int panels = int(std::min<int64_t>(2, last_panel - p));
-                    const uint16_t* panel[2] = {blocked + p * panel_elems, blocked + (p + panels - 1) * panel_elems};
-                    switch (2 * tiles + panels) {
-                        case 3: panels_amx<1, 1>(a, a_stride, panel, k_pairs, acc); break;
-                        case 4: panels_amx<1, 2>(a, a_stride, panel, k_pairs, acc); break;
-                        case 5: panels_amx<2, 1>(a, a_stride, panel, k_pairs, acc); break;
-                        default: panels_amx<2, 2>(a, a_stride, panel, k_pairs, acc); break;
-                    }
-                    for (int q = 0; q < panels; ++q) {
-                        const int64_t first_out = (p + q) * kPanel;
-                        const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
-                        for (int64_t i = 0; i < rows; ++i)
-                            store(t0 * kTileRows + i, first_out, acc[q * tiles * kTileRows + i], num_outs);
-                    }
-                }
-            }
-            return;
-        }
-        for (int64_t t0 = 0; t0 < row_tiles; t0 += kMaxRowTiles) {
-            const int tiles = int(std::min<int64_t>(kMaxRowTiles, row_tiles - t0));
+        for (int64_t t0 = 0; t0 < row_tiles; t0 += group_tiles) {
+            const int tiles = int(std::min<int64_t>(group_tiles, row_tiles - t0));
             const uint16_t* a[kMaxRowTiles];
             int64_t a_stride[kMaxRowTiles];
             for (int t = 0; t < tiles; ++t) a[t] = tile_rows(t0 + t), a_stride[t] = tile_stride(t0 + t);
             const int64_t rows = std::min<int64_t>(tiles * kTileRows, m - t0 * kTileRows);
-            for (int64_t p = run * kAmxPanelsPerGrab; p < last_panel; ++p) {
-                const int64_t first_out = p * kPanel;
-                const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
-                const uint16_t* panel = blocked + p * panel_elems;
-                switch (tiles) {
-                    case 1: panel_amx<1>(a, a_stride, panel, k_pairs, acc); break;
-                    case 2: panel_amx<2>(a, a_stride, panel, k_pairs, acc); break;
-                    case 3: panel_amx<3>(a, a_stride, panel, k_pairs, acc); break;
-                    default: panel_amx<4>(a, a_stride, panel, k_pairs, acc); break;
+            for (int64_t p = run * kAmxPanelsPerGrab; p < last_panel; p += group_panels) {
+                const int panels = int(std::min<int64_t>(group_panels, last_panel - p));
+                const uint16_t* panel[2] = {blocked + p * panel_elems, blocked + (p + panels - 1) * panel_elems};
+                switch (by_pairs ? 4 + 2 * tiles + panels : tiles) {  // acc: panel q's rows from q * tiles * 16
+                    case 1: panel_amx<1>(a, a_stride, panel[0], k_pairs, acc); break;
+                    case 2: panel_amx<2>(a, a_stride, panel[0], k_pairs, acc); break;
+                    case 3: panel_amx<3>(a, a_stride, panel[0], k_pairs, acc); break;
+                    case 4: panel_amx<4>(a, a_stride, panel[0], k_pairs, acc); break;
+                    case 7: panels_amx<1, 1>(a, a_stride, panel, k_pairs, acc); break;
+                    case 8: panels_amx<1, 2>(a, a_stride, panel, k_pairs, acc); break;
+                    case 9: panels_amx<2, 1>(a, a_stride, panel, k_pairs, acc); break;
+                    default: panels_amx<2, 2>(a, a_stride, panel, k_pairs, acc); break;
                 }
-                for (int64_t i = 0; i < rows; ++i) store(t0 * kTileRows + i, first_out, acc[i], num_outs);
+                for (int q = 0; q < panels; ++q) {
+                    const int64_t first_out = (p + q) * kPanel;
+                    const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
+                    for (int64_t i = 0; i < rows; ++i)
+                        store(t0 * kTileRows + i, first_out, acc[q * tiles * kTileRows + i], num_outs);
+                }
             }
         }
     });
