@@ -9,7 +9,8 @@ from typing import Any
 import aiohttp
 
 from services.bench.datasets import BenchRequest
-from services.bench.sse import SSEDecoder, TokenTimeline
+from services.bench.http_stream import StreamError, post_events
+from services.bench.sse import TokenTimeline
 from services.bench.stats import RequestOutput
 
 MAX_REASON_CHARS = 160
@@ -29,9 +30,11 @@ class RequestSettings:
 
 
 def open_session(request_timeout_s: float | None, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
-    """The benchmark's HTTP session: no connection limit, no proxy from the environment, SSE lines
-    up to 4 MiB (a chunk with logprobs can be long). aiohttp costs the client a third of httpx's CPU
-    per streamed token, which matters when client and server share the machine's cores.
+    """The benchmark's HTTP session: its headers and total timeout hold for every request; it makes
+    the run's unstreamed calls (models, metrics), and `send_request` streams with its settings on
+    `http_stream`, which costs the client a third of aiohttp's CPU per streamed token (and aiohttp a
+    third of httpx's): client and server share the machine's cores. No connection limit, no proxy
+    from the environment.
 
     Each request gets a connection of its own, closed after it (as vLLM's benchmark, which opens a
     session per request): a server may close a kept-alive connection at any moment (llama-server's
@@ -39,8 +42,7 @@ def open_session(request_timeout_s: float | None, headers: dict[str, str] | None
     disconnected", 22 of 256 requests to llama-server at 64 streams. A connection on loopback costs
     well under a millisecond, once per request."""
     return aiohttp.ClientSession(headers=headers or {}, connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                 timeout=aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=10.0),
-                                 read_bufsize=1 << 22)
+                                 timeout=aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=10.0))
 
 
 def build_payload(settings: RequestSettings, request: BenchRequest) -> dict[str, Any]:
@@ -77,26 +79,20 @@ def _error_message(status: int, body: bytes) -> str:
 
 async def send_request(session: aiohttp.ClientSession, settings: RequestSettings,
                        request: BenchRequest) -> RequestOutput:
-    """Stream one request; never raises for a failed request (the reason is in `error`)."""
-    payload = build_payload(settings, request)
+    """Stream one request; never raises for a failed request (the reason is in `error`). The stream is
+    read by `http_stream` with ``session``'s headers and total timeout (the session itself serves the
+    run's other, unstreamed calls)."""
+    body = json.dumps(build_payload(settings, request)).encode()
     out = RequestOutput(prompt_tokens=request.prompt_len)
     timeline = TokenTimeline(start=time.perf_counter())
     try:
-        async with session.post(settings.url, json=payload) as response:
-            if response.status != 200:
-                out.error = _error_message(response.status, await response.read())
-                return out
-            decoder = SSEDecoder()
-            async for raw_line in response.content:  # one SSE line at a time
-                data = decoder.feed(raw_line.decode("utf-8").rstrip("\r\n"))
-                if data is not None and not timeline.on_data(data, time.perf_counter()):
-                    break
-            else:
-                data = decoder.flush()
-                if data is not None:
-                    timeline.on_data(data, time.perf_counter())
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        status, error_body = await post_events(settings.url, body, timeline.on_data, list(session.headers.items()),
+                                               session.timeout.total)
+    except (StreamError, asyncio.TimeoutError) as exc:
         out.error = short_reason(f"{type(exc).__name__}: {exc}")
+        return out
+    if status != 200:
+        out.error = _error_message(status, error_body)
         return out
     end = time.perf_counter()
     if timeline.error is not None:

@@ -1,4 +1,4 @@
-"""Reading an OpenAI streaming response: SSE events in, token timings out.
+"""Reading an OpenAI streaming response: SSE events' data in (`http_stream`), token timings out.
 
 How tokens are counted per chunk, best source first:
 1. `usage.completion_tokens` on a chunk that has choices (vLLM's `continuous_usage_stats`): the
@@ -16,33 +16,6 @@ exact counts a request has output_tokens - 1 gaps summing to its last token time
 import json
 from dataclasses import dataclass, field
 from typing import Any
-
-
-class SSEDecoder:
-    """Line-by-line Server-Sent Events decoder: `feed(line)` returns an event's data once the blank
-    line that ends it arrives, else None. Comments (`: ping`) and fields other than `data` are
-    ignored; multi-line data is joined with newlines, as the SSE spec says."""
-
-    def __init__(self) -> None:
-        self._data: list[str] = []
-
-    def feed(self, line: str) -> str | None:
-        line = line.rstrip("\r\n")
-        if not line:
-            if not self._data:
-                return None
-            data, self._data = "\n".join(self._data), []
-            return data
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        if name == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
-        return None
-
-    def flush(self) -> str | None:
-        """The pending event when the stream ends without a final blank line."""
-        return self.feed("")
 
 
 @dataclass

@@ -2,26 +2,23 @@ import json
 
 import pytest
 
-from services.bench.sse import SSEDecoder, TokenTimeline
+from services.bench.http_stream import EventSplitter
+from services.bench.sse import TokenTimeline
 
 
-def feed_all(lines):
-    decoder = SSEDecoder()
-    events = [decoder.feed(line) for line in lines]
-    return [e for e in events if e is not None]
+def test_splitter_events_comments_multiline_crlf_across_chunks():
+    body = b'data: {"a":1}\n\n: ping\n\nevent: message\ndata: line1\ndata:line2\n\ndata: [DONE]\r\n\r\n'
+    for cut in range(len(body) + 1):  # every place a chunk may end, a CRLF's halves in two chunks too
+        splitter = EventSplitter()
+        events = splitter.feed(body[:cut]) + splitter.feed(body[cut:]) + splitter.flush()
+        assert [e for e in events if e is not None] == ['{"a":1}', "line1\nline2", "[DONE]"], cut
 
 
-def test_decoder_events_comments_multiline_crlf():
-    lines = ['data: {"a":1}', "", ": ping", "", "event: message", "data: line1", "data:line2", "",
-             "data: [DONE]\r", "\r"]
-    assert feed_all(lines) == ['{"a":1}', "line1\nline2", "[DONE]"]
-
-
-def test_decoder_flush_returns_unterminated_event():
-    decoder = SSEDecoder()
-    assert decoder.feed("data: tail") is None
-    assert decoder.flush() == "tail"
-    assert decoder.flush() is None
+def test_splitter_flush_returns_unterminated_event():
+    splitter = EventSplitter()
+    assert splitter.feed(b"data: tail") == []
+    assert splitter.flush() == ["tail"]
+    assert splitter.flush() == []
 
 
 def completion(text, usage=None, logprob_tokens=None):
