@@ -331,7 +331,18 @@ async def _collect(ctx: RequestContext, renderer: Renderer, fanout: FanOut, usag
 class _ChoiceStream(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends, even when the client left before
     the body iterator started (then the iterator's own cleanup never runs). Its start and its last
-    message go through the middleware, the events in between straight to the server (``DIRECT_BODY_SEND``)."""
+    message go through the middleware, the events in between straight to the server (``DIRECT_BODY_SEND``).
+
+    Each event waits one turn of the event loop before it is written: an engine step's outputs wake
+    every stream at once, so the streams render their events first and then write them one after
+    the other, instead of a write between every two renderings. On loopback each write wakes its
+    reader; spread over the step's few milliseconds of rendering, nearly every event woke a client
+    (and the woken client took the gateway's core), together they arrive while it is still awake.
+    Through `strata up` at 64 streams on 2 cores (small, bfloat16, 3 runs each): client wake-ups
+    0.08-0.24 per token against 0.56-0.59, the gateway's CPU per token 0.052-0.056 ms against
+    0.065-0.066, the clients' a third less, output tok/s 2,450-2,590 against 2,330-2,480. An event
+    leaves later by the rendering of the step's other events (up to ~2 ms at 64 streams, once per
+    stream: the gaps between its tokens stay as they were)."""
 
     def __init__(self, body: AsyncIterator[bytes], on_close) -> None:
         super().__init__(body, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
@@ -349,6 +360,7 @@ class _ChoiceStream(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         send_event = self._direct_send or send
         async for event in self.body_iterator:
+            await asyncio.sleep(0)  # the step's other streams render theirs first (see the class)
             await send_event({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
