@@ -105,8 +105,9 @@ async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationPar
             if finish is not None:
                 text += detokenizer.flush()
             match = matcher.feed(text, can_stop=num_tokens >= params.min_tokens)
-            step = Step(spec.index, match.text, list(output.token_ids), list(output.logprobs),
-                        prompt_logprobs=list(output.prompt_logprobs),
+            step = Step(spec.index, match.text, list(output.token_ids),
+                        list(output.logprobs) if output.logprobs else [],  # most requests ask for none
+                        prompt_logprobs=list(output.prompt_logprobs) if output.prompt_logprobs else [],
                         prompt_tokens=output.usage.prompt_tokens or len(spec.prompt_ids),
                         completion_tokens=output.usage.completion_tokens or num_tokens,
                         cached_tokens=output.usage.cached_prompt_tokens)

@@ -28,6 +28,7 @@ from services.gateway import errors, sse
 from services.gateway.chat import ChatRenderer, messages_proto
 from services.gateway.errors import OpenAIError
 from services.gateway.forced_tool_calls import ForcedToolCalls
+from services.gateway.generation import Step
 from services.gateway.protocol import ERROR_RESPONSES, ChatCompletionRequest, ResponsesRequest
 from services.gateway.request_body import JsonBodyRoute
 from services.gateway.serving import ChoiceResult, RequestContext, Usage, gateway_state, serve
@@ -136,60 +137,8 @@ class ResponsesRenderer:
                          _message(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
         return self._response(ctx, status, items, usage)
 
-    async def events(self, ctx: RequestContext, params: GenerationParams, steps, usage: Usage, num_choices: int):
-        yield self._event("response.created", response=self._response(ctx, "in_progress", []))
-        yield self._event("response.in_progress", response=self._response(ctx, "in_progress", []))
-        items: list[dict] = []  # in output order
-        message: dict | None = None  # the text's item, once there is text
-        thought: dict | None = None  # the reasoning's item, once there is reasoning (--reasoning-parser)
-        calls: dict[int, dict] = {}  # by chat's tool-call index
-        text, reasoning, finish_reason = "", "", None
-        for delta in [choice["delta"] for choice in self._chat.preamble([0])]:  # a forced call opens here
-            for event in self._call_events(delta, items, calls):
-                yield event
-        async for step in steps:
-            choice = self._chat.stream_choice(step)
-            if choice is None:
-                continue
-            finish_reason = choice["finish_reason"] or finish_reason
-            delta = choice["delta"]
-            if delta.get("reasoning"):
-                if thought is None:
-                    thought = {**_reasoning(f"rs_{uuid.uuid4().hex}", "", "in_progress"), "content": []}
-                    items.append(thought)
-                    yield self._event("response.output_item.added", output_index=len(items) - 1, item=thought)
-                reasoning += delta["reasoning"]
-                yield self._event("response.reasoning_text.delta", **self._where(thought, items),
-                                  delta=delta["reasoning"])
-            if delta.get("content"):
-                if message is None:
-                    message = self._open_message(items)
-                    for event in self._opened(message, items):
-                        yield event
-                text += delta["content"]
-                yield self._event("response.output_text.delta", **self._where(message, items), delta=delta["content"],
-                                  logprobs=[])
-            for event in self._call_events(delta, items, calls):
-                yield event
-        status = _status(finish_reason)
-        if message is None and not calls and thought is None:  # nothing came: an empty message
-            message = self._open_message(items)
-            for event in self._opened(message, items):
-                yield event
-        for index, item in enumerate(items):
-            if item is message:
-                yield self._event("response.output_text.done", **self._where(item, items), text=text, logprobs=[])
-                yield self._event("response.content_part.done", **self._where(item, items), part=_output_text(text))
-                items[index] = _message(item["id"], text, status)
-            elif item is thought:
-                yield self._event("response.reasoning_text.done", **self._where(item, items), text=reasoning)
-                items[index] = _reasoning(item["id"], reasoning, "completed")
-            else:
-                yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  arguments=item["arguments"])
-                items[index] = {**item, "status": "completed"}
-            yield self._event("response.output_item.done", output_index=index, item=items[index])
-        yield self._event(f"response.{status}", response=self._response(ctx, status, items, usage))
+    def stream(self, ctx: RequestContext, params: GenerationParams, usage: Usage, num_choices: int) -> "_ItemEvents":
+        return _ItemEvents(self, ctx, usage)
 
     @staticmethod
     def _open_message(items: list[dict]) -> dict:
@@ -265,6 +214,80 @@ def _function_call(call: dict, status: str) -> dict:
     return {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": status, "call_id": call.get("id"),
             "name": function.get("name"), "arguments": function.get("arguments") or ""}
 
+
+
+class _ItemEvents:
+    """One streamed response's events: ``response.created`` and ``in_progress``; per chat delta the
+    items it opens and their deltas (reasoning, text, tool calls); at the end each item's ``done``
+    events and ``response.completed`` (or ``incomplete``)."""
+
+    def __init__(self, renderer: ResponsesRenderer, ctx: RequestContext, usage: Usage) -> None:
+        self._renderer = renderer
+        self._ctx = ctx
+        self._usage = usage
+        self._items: list[dict] = []  # in output order
+        self._message: dict | None = None  # the text's item, once there is text
+        self._thought: dict | None = None  # the reasoning's item, once there is reasoning (--reasoning-parser)
+        self._calls: dict[int, dict] = {}  # by chat's tool-call index
+        self._text, self._reasoning, self._finish_reason = "", "", None
+
+    def opening(self) -> list[bytes]:
+        r = self._renderer
+        events = [r._event("response.created", response=r._response(self._ctx, "in_progress", [])),
+                  r._event("response.in_progress", response=r._response(self._ctx, "in_progress", []))]
+        for delta in [choice["delta"] for choice in r._chat.preamble([0])]:  # a forced call opens here
+            events += r._call_events(delta, self._items, self._calls)
+        return events
+
+    def step(self, step: Step) -> list[bytes]:
+        r, items = self._renderer, self._items
+        choice = r._chat.stream_choice(step)
+        if choice is None:
+            return []
+        events = []
+        self._finish_reason = choice["finish_reason"] or self._finish_reason
+        delta = choice["delta"]
+        if delta.get("reasoning"):
+            if self._thought is None:
+                self._thought = {**_reasoning(f"rs_{uuid.uuid4().hex}", "", "in_progress"), "content": []}
+                items.append(self._thought)
+                events.append(r._event("response.output_item.added", output_index=len(items) - 1, item=self._thought))
+            self._reasoning += delta["reasoning"]
+            events.append(r._event("response.reasoning_text.delta", **r._where(self._thought, items),
+                                   delta=delta["reasoning"]))
+        if delta.get("content"):
+            if self._message is None:
+                self._message = r._open_message(items)
+                events += r._opened(self._message, items)
+            self._text += delta["content"]
+            events.append(r._event("response.output_text.delta", **r._where(self._message, items),
+                                   delta=delta["content"], logprobs=[]))
+        return events + r._call_events(delta, items, self._calls)
+
+    def closing(self) -> list[bytes]:
+        r, items, message, thought = self._renderer, self._items, self._message, self._thought
+        events = []
+        status = _status(self._finish_reason)
+        if message is None and not self._calls and thought is None:  # nothing came: an empty message
+            message = r._open_message(items)
+            events += r._opened(message, items)
+        for index, item in enumerate(items):
+            if item is message:
+                events.append(r._event("response.output_text.done", **r._where(item, items), text=self._text,
+                                       logprobs=[]))
+                events.append(r._event("response.content_part.done", **r._where(item, items),
+                                       part=_output_text(self._text)))
+                items[index] = _message(item["id"], self._text, status)
+            elif item is thought:
+                events.append(r._event("response.reasoning_text.done", **r._where(item, items), text=self._reasoning))
+                items[index] = _reasoning(item["id"], self._reasoning, "completed")
+            else:
+                events.append(r._event("response.function_call_arguments.done", item_id=item["id"],
+                                       output_index=index, arguments=item["arguments"]))
+                items[index] = {**item, "status": "completed"}
+            events.append(r._event("response.output_item.done", output_index=index, item=items[index]))
+        events.append(r._event(f"response.{status}", response=r._response(self._ctx, status, items, self._usage)))
+        return events
 
 def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"

@@ -84,12 +84,26 @@ class Renderer(Protocol):
     def response(self, ctx: "RequestContext", results: list[ChoiceResult], usage: "Usage") -> dict:
         """The non-streamed response."""
 
-    def events(self, ctx: "RequestContext", params: GenerationParams, steps: AsyncIterator[Step], usage: "Usage",
-               num_choices: int) -> AsyncIterator[bytes]:
-        """The stream's events, from before the first step to the end (``usage`` is updated by each step)."""
+    def stream(self, ctx: "RequestContext", params: GenerationParams, usage: "Usage",
+               num_choices: int) -> "StreamEvents":
+        """One stream's events (``usage`` is updated by each step before its events are asked for)."""
 
     def error_events(self, error: OpenAIError) -> list[bytes]:
         """The events that end a stream which failed after it began."""
+
+
+class StreamEvents(Protocol):
+    """One stream's events, asked for as it goes: plain calls on the path of every token, where an
+    async generator between the steps and the response cost a resumption per level and token."""
+
+    def opening(self) -> list[bytes]:
+        """The events before the first step."""
+
+    def step(self, step: Step) -> list[bytes]:
+        """A step's events (often one, none where it has nothing to show)."""
+
+    def closing(self) -> list[bytes]:
+        """The events after the last step."""
 
 
 class ChoiceRenderer:
@@ -119,29 +133,42 @@ class ChoiceRenderer:
                 "choices": [self.full_choice(result) for result in results], "usage": usage.as_dict(),
                 **self.response_fields(results)}
 
-    async def events(self, ctx: "RequestContext", params: GenerationParams, steps: AsyncIterator[Step],
-                     usage: "Usage", num_choices: int) -> AsyncIterator[bytes]:
-        continuous = params.include_usage and params.continuous_usage_stats
-
-        def chunk(choices: list[dict], with_usage: bool = continuous) -> bytes:
-            payload = {"id": ctx.response_id, "object": self.chunk_object, "created": ctx.created,
-                       "model": ctx.model, "choices": choices}
-            if params.include_usage:
-                payload["usage"] = usage.as_dict() if with_usage else None
-            return sse.event(payload)
-
-        for choice in self.preamble(list(range(num_choices))):
-            yield chunk([choice])
-        async for step in steps:
-            choice = self.stream_choice(step)
-            if choice is not None:
-                yield chunk([choice])
-        if params.include_usage:
-            yield chunk([], with_usage=True)
-        yield sse.DONE
+    def stream(self, ctx: "RequestContext", params: GenerationParams, usage: "Usage",
+               num_choices: int) -> "ChoiceChunks":
+        return ChoiceChunks(self, ctx, params, usage, num_choices)
 
     def error_events(self, error: OpenAIError) -> list[bytes]:
         return sse.error_events(error)
+
+
+class ChoiceChunks:
+    """A chat or completions stream's events: the preamble's chunks, a chunk per step that shows
+    something, then the usage chunk (``include_usage``) and ``[DONE]``. The fields every chunk repeats
+    (id, object, created, model) are encoded once (`sse.ChunkFraming`)."""
+
+    def __init__(self, renderer: ChoiceRenderer, ctx: "RequestContext", params: GenerationParams, usage: "Usage",
+                 num_choices: int) -> None:
+        self._renderer = renderer
+        self._usage = usage if params.include_usage else None
+        self._continuous = params.include_usage and params.continuous_usage_stats
+        self._num_choices = num_choices
+        self._framing = sse.ChunkFraming({"id": ctx.response_id, "object": renderer.chunk_object,
+                                          "created": ctx.created, "model": ctx.model})
+
+    def _chunk(self, choices: list[dict], with_usage: bool) -> bytes:
+        if self._usage is None:
+            return self._framing.event(choices)
+        return self._framing.event(choices, self._usage.as_dict() if with_usage else None)
+
+    def opening(self) -> list[bytes]:
+        return [self._chunk([choice], self._continuous) for choice in self._renderer.preamble(list(range(self._num_choices)))]
+
+    def step(self, step: Step) -> list[bytes]:
+        choice = self._renderer.stream_choice(step)
+        return [] if choice is None else [self._chunk([choice], self._continuous)]
+
+    def closing(self) -> list[bytes]:
+        return ([self._chunk([], True)] if self._usage is not None else []) + [sse.DONE]
 
 
 class Usage:
@@ -370,18 +397,20 @@ async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Rende
                   num_choices: int, drain: Drain) -> AsyncIterator[bytes]:
     """The SSE body; ``first`` is the first step (already there or still coming). At the drain's
     deadline (SIGTERM + --shutdown-timeout) a stream still running ends with an error event."""
-    async def steps() -> AsyncIterator[Step]:
+    events = renderer.stream(ctx, params, usage, num_choices)
+    try:
+        for event in events.opening():
+            yield event
         step: Step | None = await drain.race(first)
         while step is not None:
             usage.update(step)
             recorder.step(step)
-            yield step
+            for event in events.step(step):
+                yield event
+                recorder.chunk_sent()  # resumed: the event is out
             step = await drain.race(anext(fanout, None))
-
-    try:
-        async for event in renderer.events(ctx, params, steps(), usage, num_choices):
+        for event in events.closing():
             yield event
-            recorder.chunk_sent()  # resumed: the event is out
     except OpenAIError as error:
         recorder.error(error)
         for event in renderer.error_events(error):

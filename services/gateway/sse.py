@@ -19,6 +19,21 @@ def event(payload: dict) -> bytes:
     return b"data: " + _ENCODER.encode(payload).encode() + b"\n\n"
 
 
+class ChunkFraming:
+    """The events of one stream's chunks, whose leading fields (``fixed``: id, object, created,
+    model) are the same in every chunk: encoded once, each chunk then encodes only its ``choices``
+    (and ``usage``). The same bytes as ``event({**fixed, "choices": ..., "usage": ...})``."""
+
+    _NO_USAGE = object()
+
+    def __init__(self, fixed: dict) -> None:
+        self._head = b"data: " + _ENCODER.encode(fixed)[:-1].encode() + b',"choices":'
+
+    def event(self, choices: list, usage=_NO_USAGE) -> bytes:
+        tail = b"}\n\n" if usage is self._NO_USAGE else b',"usage":' + _ENCODER.encode(usage).encode() + b"}\n\n"
+        return self._head + _ENCODER.encode(choices).encode() + tail
+
+
 def error_events(error: OpenAIError) -> list[bytes]:
     return [event(error.body()), DONE]
 

@@ -27,3 +27,13 @@ def test_error_after_start_is_an_error_event_then_done():
 def test_parse_round_trip():
     body = sse.event({"a": 1}) + sse.event({"b": [2]}) + sse.DONE
     assert sse.parse(body) == [{"a": 1}, {"b": [2]}, "[DONE]"]
+
+
+def test_chunk_framing_writes_the_bytes_of_the_whole_chunk_encoded():
+    fixed = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m\"odel 😀"}
+    choices = [{"index": 0, "text": "a\nb", "logprobs": None, "finish_reason": None}]
+    framing = sse.ChunkFraming(fixed)
+    assert framing.event(choices) == sse.event({**fixed, "choices": choices})
+    assert framing.event(choices, None) == sse.event({**fixed, "choices": choices, "usage": None})
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert framing.event([], usage) == sse.event({**fixed, "choices": [], "usage": usage})
