@@ -215,7 +215,6 @@ def _function_call(call: dict, status: str) -> dict:
             "name": function.get("name"), "arguments": function.get("arguments") or ""}
 
 
-
 class _ItemEvents:
     """One streamed response's events: ``response.created`` and ``in_progress``; per chat delta the
     items it opens and their deltas (reasoning, text, tool calls); at the end each item's ``done``
