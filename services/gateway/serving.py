@@ -161,7 +161,8 @@ class ChoiceChunks:
         return self._framing.event(choices, self._usage.as_dict() if with_usage else None)
 
     def opening(self) -> list[bytes]:
-        return [self._chunk([choice], self._continuous) for choice in self._renderer.preamble(list(range(self._num_choices)))]
+        preamble = self._renderer.preamble(list(range(self._num_choices)))
+        return [self._chunk([choice], self._continuous) for choice in preamble]
 
     def step(self, step: Step) -> list[bytes]:
         choice = self._renderer.stream_choice(step)
