@@ -1,8 +1,8 @@
 """One HTTP/1.1 POST whose answer streams as Server-Sent Events, read on a bare asyncio protocol
 with httptools' parser (llhttp, as uvicorn's): the benchmark's clients share the machine's cores
 with the server they measure, so what they spend per streamed token is taken from it. 64 streams
-of 150 events each from a loopback server, one client process: 7.2 us of CPU per event here
-(each event's JSON parsed and counted), 19.5 us through aiohttp's response reader line by line.
+of 150 events each from a loopback server, one client process, each event timed by `sse.TokenTimeline`:
+12.7 us of CPU per event here, 22.0 us through aiohttp's response reader line by line.
 
 A connection per request (``Connection: close``), as the aiohttp session before it (`client.open_session`);
 no proxy; ``https`` with the default certificate checks. A response other than 200 comes back
@@ -12,6 +12,7 @@ CRLF or CR line ends), the ``data`` fields joined by newlines, comments and othe
 
 import asyncio
 import contextlib
+import functools
 import ssl
 import time
 from collections.abc import Callable
@@ -21,6 +22,12 @@ from urllib.parse import urlsplit
 import httptools
 
 CONNECT_TIMEOUT_S = 10.0
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One context for every https request of the process (making one reads the CA certificates)."""
+    return ssl.create_default_context()
 
 
 class StreamError(Exception):
@@ -84,7 +91,7 @@ def _data(block: bytes) -> str | None:
         return block[6:].decode()
     values = []
     for line in block.split(b"\n"):
-        name, colon, value = line.partition(b":")
+        name, _, value = line.partition(b":")
         if name == b"data":
             values.append(value[1:] if value.startswith(b" ") else value)
     return b"\n".join(values).decode() if values else None
@@ -171,7 +178,7 @@ async def post_events(url: str | Target, body: bytes, on_event: Callable[[str, f
             try:
                 async with asyncio.timeout(CONNECT_TIMEOUT_S):
                     await loop.create_connection(lambda: answer, target.host, target.port,
-                                                 ssl=ssl.create_default_context() if target.tls else None)
+                                                 ssl=_tls_context() if target.tls else None)
             except OSError as exc:
                 raise StreamError(f"cannot connect to {target.host}:{target.port}: {exc}") from None
             answer.transport.write(request_bytes(target, list(headers), body))
