@@ -31,10 +31,11 @@ line turns it into the stack's expected rate, in-process engine CPU over that pl
 threads spin (at one stream), below where preemption costs more than the CPU taken. What shows the
 latter: the share of the cores' time that was idle during each kind of run (/proc/stat, the whole
 machine). The engine's kernel threads end each phase of a step together, so when another process
-takes the core of one of them mid-phase, the other finishes its share and then waits with its core
-idle (Linux does not move a thread that just ran to another core at once): the stack's runs idle
-more than the in-process ones although its other processes need CPU (small, bfloat16, 64 streams
-on 2 cores: 6.3-7.4% against 5.0-6.0%).
+takes the core of one of them mid-phase, the other finishes the phase's other work items (taking
+over the rest of the taken thread's run of them once it makes no progress, `work_split.h`) and then
+waits for the item in the taken thread's hands with its core idle (Linux does not move a thread that
+just ran to another core at once): the stack's runs idle more than the in-process ones although its
+other processes need CPU (small, bfloat16, 64 streams on 2 cores: 6.3-7.4% against 5.0-6.0%).
 """
 
 import argparse
