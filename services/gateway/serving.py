@@ -378,30 +378,31 @@ class _ChoiceStream(StreamingResponse):
         self._direct_send = None
 
     async def __call__(self, scope, receive, send) -> None:
-        """Streams in the request's own task while a watcher waits for the client to leave, which
-        cancels it (the stream then ends quietly, as Starlette's own streaming response ends). Starlette
-        runs both in an anyio task group of two new tasks: a streamed one-token request cost the gateway
-        1.17-1.23 ms of CPU that way, 1.00-1.07 ms this way (300 requests, 4 at a time, twice each)."""
+        """Streams in a task of its own, which the request's task awaits, while a watcher waits for the
+        client to leave and then cancels it (the stream ends quietly, as Starlette's own streaming
+        response ends). Its own task, not the request's: a task resumes through every coroutine it
+        awaits in, and the request's runs this under the server, the app, the middleware and the
+        router, ~30 deep, resumed twice per event (its output comes; its turn to write). Through
+        `strata up` at 64 streams on 2 cores (small, bfloat16, two rounds of three runs): the gateway's CPU
+        per token 0.050-0.059 ms against 0.058-0.068 in the request's task."""
         self._direct_send = scope.get(DIRECT_BODY_SEND)
-        streaming = asyncio.current_task()
-        client_left = streamed = False
+        streaming = asyncio.create_task(self.stream_response(send))
+        client_left = False
 
         async def watch() -> None:
             nonlocal client_left
             while (await receive())["type"] != "http.disconnect":
                 pass
-            if not streamed:  # (uvicorn answers a disconnect once the response is complete, too)
+            if not streaming.done():  # (uvicorn answers a disconnect once the response is complete, too)
                 client_left = True
                 streaming.cancel()
 
         watcher = asyncio.create_task(watch())
         try:
-            await self.stream_response(send)
-            streamed = True
+            await streaming
         except asyncio.CancelledError:
-            if not client_left:  # cancelled from elsewhere: that cancellation goes on
+            if not client_left:  # this task was cancelled (and the stream with it): that goes on
                 raise
-            streaming.uncancel()
         finally:
             watcher.cancel()
             self._on_close()
