@@ -118,6 +118,15 @@ class EngineMetrics:
         are taken in: for stats kept elsewhere that it passes to the series (structured output)."""
         self._also_on_catch_up.append(callback)
 
+    def observe_load(self, stats: SchedulerStats) -> None:
+        """Sets the gauges of the engine's load (running, waiting, KV usage) from ``stats``. A step sets
+        them as of its end; the server also passes the engine's current stats at every scrape
+        (`on_catch_up`): requests aborted while no step runs (every client gone) change the load
+        with no step after them, and the gauges KEDA scales on must not stay at the last step's."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1))
+
     def observe_step(self, outputs: list[RequestOutput], stats: SchedulerStats, step_seconds: float,
                      num_batched_tokens: int = 0) -> None:
         """Queues a step for the series: ``outputs`` are the step's, ``stats`` the scheduler's after it."""
@@ -157,9 +166,7 @@ class EngineMetrics:
         self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self._last = stats
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1))
+        self.observe_load(stats)
         if num_batched_tokens:
             self.iteration_tokens.observe(num_batched_tokens)
         self.step_seconds.observe(step_seconds)

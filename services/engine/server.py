@@ -180,8 +180,9 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
         observe_step = _both(metrics.observe_step, stats_logger.observe_step) if stats_logger else metrics.observe_step
         metrics.on_catch_up(lambda: metrics.observe_structured_output(*core.structured_output.take_stats()))
         step_tracer = StepTracer(trace_steps_sample, config.replica_id) if trace_steps_sample else None
-        servicer.engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step,
-                                      step_tracer=step_tracer)
+        servicer.engine = engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step,
+                                               step_tracer=step_tracer)
+        metrics.on_catch_up(lambda: metrics.observe_load(engine.stats))  # the load now, not the last step's
     loop.call_soon_threadsafe(serving.loaded.set)
     loading_thread.join()  # serving.start() returns once the model is loaded (or a stop came first)
     loop.run_until_complete(serving.finish())

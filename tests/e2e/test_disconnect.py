@@ -1,5 +1,5 @@
 """A client that goes away aborts its requests upstream: the engine's Load reports nothing
-running and no KV blocks in use within a second."""
+running and no KV blocks in use within a second, and so do its Prometheus gauges (what KEDA scales on)."""
 
 import time
 
@@ -71,3 +71,10 @@ def test_disconnect_while_queued_before_first_token(stack, raw_client, engine):
         client.close()
     assert all(r.status_code == 200 for r in responses)
     wait_until_idle(engine, stack)
+    gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+              for line in httpx.get(stack.metrics_urls["engine"], timeout=10).text.splitlines()
+              if line.startswith(("strata:num_requests_running{", "strata:num_requests_waiting{",
+                                  "strata:kv_cache_usage_perc{"))}
+    # no step ran after the last abort: the gauges are the engine's state now, not its last step's
+    assert gauges == {"strata:num_requests_running": 0, "strata:num_requests_waiting": 0,
+                      "strata:kv_cache_usage_perc": 0}
