@@ -104,22 +104,38 @@ class _GenerateStream:
 
 
 class SharedGenerateCall:
-    """One request's outputs, iterated (or ``read()``, EOF after the last) as a Generate call's; past
-    ``timeout_s`` it raises DEADLINE_EXCEEDED and the request is aborted. ``cancel()`` aborts the
-    request in the engine."""
+    """One request's outputs, iterated (or ``read()``, EOF after the last) as a Generate call's, or
+    handed to a listener as they come (`listen`); past ``timeout_s`` it raises DEADLINE_EXCEEDED and
+    the request is aborted. ``cancel()`` aborts the request in the engine."""
 
     def __init__(self, owner: _GenerateStream, request: engine_pb2.GenerateRequest, timeout_s: float) -> None:
         self._owner = owner
         self._id = request.request_id
         self._outputs: Inbox[engine_pb2.GenerateResponse | Exception] = Inbox()
+        self._listener: Callable[[engine_pb2.GenerateResponse | Exception], None] | None = None
         self._done = False
         owner.stream.send(request)
         owner.calls[self._id] = self
         owner.stream.join()
         self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
+    def listen(self, listener: Callable[[engine_pb2.GenerateResponse | Exception], None]) -> None:
+        """From now on hands each output to ``listener`` as soon as it is read, inside the reading of
+        the stream's reply (no task woken per output), up to the one with a finish reason or the
+        error that ends the call; in place of iterating."""
+        self._listener = listener
+        while not self._outputs.empty() and not self._done:
+            self.deliver(self._outputs.pop())
+
     def deliver(self, output: engine_pb2.GenerateResponse | Exception) -> None:
-        self._outputs.put(output)
+        if self._listener is None:
+            self._outputs.put(output)
+            return
+        if self._done:
+            return
+        if isinstance(output, Exception) or output.finish_reason:
+            self._end()
+        self._listener(output)
 
     def pending(self) -> bool:
         """Whether outputs came that were not read yet."""

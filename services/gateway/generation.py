@@ -1,24 +1,33 @@
 """One request's choices: n Generate streams per prompt, each detokenized here with the tokenizer's
-decoder (`Upstream.decoder`) and cut at stop strings, merged into one stream of ``Step``s.
+decoder (`Upstream.decoder`) and cut at stop strings, handed on as ``Step``s as they arrive.
 
-Contract: every choice yields steps until exactly one step with a ``finish_reason``. Cancelling
-(``FanOut.cancel()``, a client disconnect, or a stop string) cancels that choice's Generate call,
-which aborts the request in the engine and frees its KV blocks.
+Contract: a `StepSink` gets every choice's steps in arrival order, each choice's last one with a
+``finish_reason``, then ``end()``; or, where the generation fails, ``fail(error)`` once (no call
+after it). Cancelling (``FanOut.cancel()``, a client disconnect, or a stop string) cancels that
+choice's Generate call, which aborts the request in the engine and frees its KV blocks.
+
+The steps are pushed, not awaited: a choice on the shared GenerateMany stream
+(`SharedGenerateCall.listen`) is decoded, cut and handed on inside the reading of the engine's reply,
+no task woken per token; a choice on a Generate call of its own is read by a task of its own.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
-from opentelemetry import trace
+from opentelemetry.trace import Span
 
-from services.common.inbox import Inbox
 from services.common.pb import engine_pb2
+from services.common.shared_generate import SharedGenerateCall
 from services.gateway import errors, genai_span
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.upstream import Upstream
 from services.gateway.validation import GenerationParams
+
+log = logging.getLogger(__name__)
 
 # Prompt ids handed to the detokenizer as context, so the first token's text (leading spaces,
 # SentencePiece markers) comes out as it does inside the whole sequence.
@@ -55,6 +64,19 @@ class Step:
     cached_tokens: int = 0
 
 
+class StepSink(Protocol):
+    """Where a request's steps go (the stream's events, or the response being collected)."""
+
+    def step(self, step: Step) -> None:
+        """A choice's new output."""
+
+    def end(self) -> None:
+        """Every choice has finished."""
+
+    def fail(self, error: errors.OpenAIError) -> None:
+        """The generation failed; every choice was cancelled."""
+
+
 def plan_choices(request_id: str, prompts: list[list[int]], max_tokens: list[int],
                  params: GenerationParams) -> list[ChoiceSpec]:
     """n choices per prompt; choice index = prompt_index * n + i, as vLLM numbers them."""
@@ -72,61 +94,47 @@ def plan_choices(request_id: str, prompts: list[list[int]], max_tokens: list[int
     return specs
 
 
-def _named(error: errors.OpenAIError, params: GenerationParams) -> errors.OpenAIError:
-    """A refusal (400) names the client's field, not the engine's."""
-    if error.status == 400:
-        error.param = params.request_param(error.param)
-    return error
+class ChoiceDecoder:
+    """One choice's engine outputs as steps: each output's ids become text as soon as it is read,
+    cut at the first stop string. ``finished`` once it returned the choice's last step."""
 
+    def __init__(self, upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
+                 eos_token_ids: frozenset[int], span: Span) -> None:
+        self._spec = spec
+        self._params = params
+        self._eos_token_ids = eos_token_ids
+        self._span = span  # the request's, for the stop string's event
+        self._detokenizer = upstream.decoder.detokenizer(params.skip_special_tokens,
+                                                         spec.prompt_ids[-_DETOKENIZE_PREFIX_IDS:])
+        self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self._num_tokens = 0
+        self.finished = False
 
-async def run_choice(upstream: Upstream, spec: ChoiceSpec, params: GenerationParams,
-                     eos_token_ids: frozenset[int], generate=None) -> AsyncIterator[Step]:
-    """Each engine output's ids become text as soon as it is read. ``generate``: the choice's Generate
-    call, where the caller made it (to cancel it without this generator), else made here."""
-    if generate is None:
-        generate = upstream.generate(spec.request)
-    detokenizer = upstream.decoder.detokenizer(params.skip_special_tokens, spec.prompt_ids[-_DETOKENIZE_PREFIX_IDS:])
-    outputs = aiter(generate)
-    matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-    num_tokens = 0
-    try:
-        while True:
-            try:
-                output = await anext(outputs, None)
-            except grpc.RpcError as error:
-                raise _named(errors.from_grpc(error, "engine"), params) from None
-            except errors.OpenAIError as error:
-                raise _named(error, params) from None
-            if output is None:
-                raise errors.OpenAIError("engine ended the stream without a finish reason", 502)
-            num_tokens += len(output.token_ids)
-            finish = _FINISH_REASONS.get(output.finish_reason)
-            text = detokenizer.step(_rendered_ids(output, finish, params, eos_token_ids))
-            if finish is not None:
-                text += detokenizer.flush()
-            match = matcher.feed(text, can_stop=num_tokens >= params.min_tokens)
-            step = Step(spec.index, match.text, list(output.token_ids),
-                        list(output.logprobs) if output.logprobs else [],  # most requests ask for none
-                        prompt_logprobs=list(output.prompt_logprobs) if output.prompt_logprobs else [],
-                        prompt_tokens=output.usage.prompt_tokens or len(spec.prompt_ids),
-                        completion_tokens=output.usage.completion_tokens or num_tokens,
-                        cached_tokens=output.usage.cached_prompt_tokens)
-            if match.stop is not None:
-                step.finish_reason, step.stop_reason = "stop", match.stop
-                trace.get_current_span().add_event(genai_span.STAGE_STOP_STRING, {
-                    "gen_ai.choice.index": spec.index, "strata.stop_string": match.stop})
-                yield step
-                return
-            if finish is not None:
-                step.text += matcher.flush()
-                step.finish_reason = finish
-                if output.HasField("stop_token_id") and output.stop_token_id not in eos_token_ids:
-                    step.stop_reason = output.stop_token_id
-                yield step
-                return
-            yield step
-    finally:
-        generate.cancel()
+    def feed(self, output: engine_pb2.GenerateResponse) -> Step:
+        params, spec = self._params, self._spec
+        self._num_tokens += len(output.token_ids)
+        finish = _FINISH_REASONS.get(output.finish_reason)
+        text = self._detokenizer.step(_rendered_ids(output, finish, params, self._eos_token_ids))
+        if finish is not None:
+            text += self._detokenizer.flush()
+        match = self._matcher.feed(text, can_stop=self._num_tokens >= params.min_tokens)
+        step = Step(spec.index, match.text, list(output.token_ids),
+                    list(output.logprobs) if output.logprobs else [],  # most requests ask for none
+                    prompt_logprobs=list(output.prompt_logprobs) if output.prompt_logprobs else [],
+                    prompt_tokens=output.usage.prompt_tokens or len(spec.prompt_ids),
+                    completion_tokens=output.usage.completion_tokens or self._num_tokens,
+                    cached_tokens=output.usage.cached_prompt_tokens)
+        if match.stop is not None:
+            step.finish_reason, step.stop_reason = "stop", match.stop
+            self._span.add_event(genai_span.STAGE_STOP_STRING, {
+                "gen_ai.choice.index": spec.index, "strata.stop_string": match.stop})
+        elif finish is not None:
+            step.text += self._matcher.flush()
+            step.finish_reason = finish
+            if output.HasField("stop_token_id") and output.stop_token_id not in self._eos_token_ids:
+                step.stop_reason = output.stop_token_id
+        self.finished = step.finish_reason is not None
+        return step
 
 
 def _rendered_ids(output, finish: str | None, params: GenerationParams, eos_token_ids: frozenset[int]):
@@ -140,71 +148,75 @@ def _rendered_ids(output, finish: str | None, params: GenerationParams, eos_toke
     return ids
 
 
+_ENDED_EARLY = "engine ended the stream without a finish reason"
+
+
 class FanOut:
-    """Runs every choice concurrently and merges their steps in arrival order. ``cancel()`` is
-    synchronous so it also works from a cancelled task's cleanup.
-
-    Several choices each run in a task of their own, which reads its next output while the consumer
-    handles a step. A single choice (``n`` = 1, most requests) runs in the consumer's own task instead:
-    one task wake-up and one queue fewer per token."""
-
-    _DONE = object()
+    """Starts every choice's Generate call and hands their steps to ``sink`` as they arrive (see the
+    module). ``cancel()`` is synchronous so it also works from a cancelled task's cleanup."""
 
     def __init__(self, upstream: Upstream, specs: list[ChoiceSpec], params: GenerationParams,
-                 eos_token_ids: frozenset[int]) -> None:
-        self._queue: Inbox = Inbox()
-        self._single = self._single_call = None
-        self._tasks = []
-        if len(specs) == 1:
-            self._single_call = upstream.generate(specs[0].request)
-            self._single = run_choice(upstream, specs[0], params, eos_token_ids, self._single_call)
-        else:
-            self._tasks = [asyncio.create_task(self._pump(run_choice(upstream, spec, params, eos_token_ids)))
-                           for spec in specs]
+                 eos_token_ids: frozenset[int], sink: StepSink, span: Span) -> None:
+        self._sink = sink
+        self._params = params
+        self._calls = []
+        self._readers: list[asyncio.Task] = []
         self._remaining = len(specs)
-        self._cancelled = False
+        self._over = False  # ended, failed or cancelled: nothing more reaches the sink
         self.finished = False  # every choice ran to its finish step
-
-    async def _pump(self, steps: AsyncIterator[Step]) -> None:
-        try:
-            async for step in steps:
-                self._queue.put(step)
-        except Exception as error:  # handed to the consumer, which raises it
-            self._queue.put(error)
-        finally:
-            self._queue.put(self._DONE)
-
-    def __aiter__(self) -> "FanOut":
-        return self
-
-    async def __anext__(self) -> Step:
-        while self._remaining:
-            if self._single is not None:
-                try:
-                    return await anext(self._single)
-                except StopAsyncIteration:
-                    self._remaining = 0
-                    break
-                except Exception as error:
-                    item = error
+        for spec in specs:
+            call = upstream.generate(spec.request)
+            self._calls.append(call)
+            deliver = self._deliverer(call, ChoiceDecoder(upstream, spec, params, eos_token_ids, span))
+            if isinstance(call, SharedGenerateCall):
+                call.listen(deliver)
             else:
-                item = await self._queue.get()
-            if item is self._DONE:
-                self._remaining -= 1
-                continue
-            if isinstance(item, Exception):
-                self.cancel()
-                if isinstance(item, errors.OpenAIError):
+                self._readers.append(asyncio.create_task(_read(call, deliver)))
+
+    def _deliverer(self, call, decoder: ChoiceDecoder) -> Callable[[object], None]:
+        def deliver(item: engine_pb2.GenerateResponse | Exception) -> None:
+            """One output of the choice's call, or the error that ended it."""
+            if self._over or decoder.finished:
+                return
+            try:  # never raises: it runs inside the reading of a stream that other requests share
+                if isinstance(item, Exception):
                     raise item
-                raise errors.OpenAIError(f"internal error: {item!r}", 500) from item
-            return item
-        self.finished = not self._cancelled
-        raise StopAsyncIteration
+                step = decoder.feed(item)
+                if decoder.finished:
+                    call.cancel()  # (a stop string: the engine would go on)
+                    self._remaining -= 1
+                self._sink.step(step)
+                if not self._remaining:
+                    self._over = self.finished = True
+                    self._sink.end()
+            except Exception as error:
+                self._fail(error)
+        return deliver
+
+    def _fail(self, error: Exception) -> None:
+        if isinstance(error, grpc.RpcError):
+            error = errors.from_grpc(error, "engine")
+        elif not isinstance(error, errors.OpenAIError):  # a bug: the client still gets an error
+            log.error("the generation failed: %s: %s", type(error).__name__, error, exc_info=error)
+            error = errors.OpenAIError(f"Internal server error: {type(error).__name__}: {error}", 500)
+        if error.status == 400:  # a refusal names the client's field, not the engine's
+            error.param = self._params.request_param(error.param)
+        self.cancel()
+        self._sink.fail(error)
 
     def cancel(self) -> None:
-        self._cancelled = True
-        self._remaining = 0
-        for task in self._tasks:
-            task.cancel()
-        if self._single_call is not None:  # the generator itself is closed when it is collected
-            self._single_call.cancel()
+        self._over = True
+        for reader in self._readers:
+            reader.cancel()
+        for call in self._calls:
+            call.cancel()
+
+
+async def _read(call, deliver: Callable[[object], None]) -> None:
+    """Reads a Generate call of its own and hands each output on."""
+    try:
+        async for output in call:
+            deliver(output)
+        deliver(errors.OpenAIError(_ENDED_EARLY, 502))  # (ignored after the finish step)
+    except Exception as error:
+        deliver(error)

@@ -17,12 +17,12 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from services.gateway import errors, genai_span, sse
@@ -243,10 +243,11 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable):
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():  # the client left (or this coroutine was cancelled): stop the work
+        unfinished = not task.done()
+        if unfinished:  # the client left (or this coroutine was cancelled): stop the work
             task.cancel()
             _consume_result(task)
-    if not task.done():
+    if unfinished:
         raise _ClientDisconnected()
     return task.result()
 
@@ -301,37 +302,31 @@ async def serve(request: Request, state: GatewayState, facts: ModelFacts, ctx: R
                 params: GenerationParams, prompts: list[list[int]], renderer: Renderer) -> Response:
     max_tokens = [resolve_max_tokens(params, len(prompt), facts) for prompt in prompts]
     specs = plan_choices(ctx.response_id, prompts, max_tokens, params)
-    fanout = FanOut(state.upstream, specs, params, facts.eos_token_ids)
     usage = Usage(prompts, params.n, params.reasoning_end_token_id)
     recorder = _Recorder(state.metrics, ctx)
-    handed_over = False
     span = recorder.span  # the request's root span (TracingMiddleware)
     span.set_attributes({**genai_span.request_attributes(renderer.operation_name, ctx.model, ctx.response_id, params),
                          "strata.num_choices": len(specs)})
-
-    first: asyncio.Future | None = None  # a stream's first step, awaited before or after its headers
+    sink = (_EventStream(renderer, renderer.stream(ctx, params, usage, len(specs)), usage, recorder, state.drain)
+            if params.stream else _Collector(ctx, renderer, usage, recorder, len(specs)))
+    fanout = FanOut(state.upstream, specs, params, facts.eos_token_ids, sink, span)
+    handed_over = False
 
     def on_close() -> None:
-        if first is not None:
-            first.cancel()
         fanout.cancel()
         recorder.done(usage, completed=fanout.finished)
         span.set_attributes(genai_span.response_attributes(
             usage.prompt_tokens, usage.completion_tokens, [recorder.finish_reasons.get(i) for i in range(len(specs))]))
 
     try:
-        if params.stream:
-            first = asyncio.ensure_future(anext(fanout, None))
-            _consume_result(first)
-            await _cancel_on_disconnect(request, asyncio.wait({first}, timeout=state.stream_headers_timeout_s))
-            if first.done():
-                first.result()  # an error before the headers is an HTTP error status
+        if isinstance(sink, _EventStream):
+            await _cancel_on_disconnect(request, asyncio.wait({sink.began}, timeout=state.stream_headers_timeout_s))
+            if sink.began.done():
+                sink.began.result()  # an error before the headers is an HTTP error status
+            sink.commit()
             handed_over = True  # from here on the response's on_close cleans up
-            body = _stream(ctx, params, renderer, first, fanout, usage, recorder, len(specs), state.drain)
-            return _ChoiceStream(body, on_close)
-        body = await _cancel_on_disconnect(request, _collect(ctx, renderer, fanout, usage, recorder,
-                                                             len(specs)))
-        return JSONResponse(body)
+            return _ChoiceStream(sink, on_close)
+        return JSONResponse(await _cancel_on_disconnect(request, sink.response))
     except _ClientDisconnected:
         log.info("%s: the client disconnected after %.2f s, before the response; its generation was cancelled",
                  ctx.response_id, time.monotonic() - ctx.arrival)
@@ -341,54 +336,140 @@ async def serve(request: Request, state: GatewayState, facts: ModelFacts, ctx: R
             on_close()
 
 
-async def _collect(ctx: RequestContext, renderer: Renderer, fanout: FanOut, usage: Usage,
-                   recorder: _Recorder, num_choices: int) -> dict:
-    results = [ChoiceResult(i) for i in range(num_choices)]
-    async for step in fanout:
-        usage.update(step)
-        recorder.step(step)
-        result = results[step.index]
+class _Collector:
+    """A non-streamed response (``response``, a future), collected from its steps: a `StepSink`."""
+
+    def __init__(self, ctx: RequestContext, renderer: Renderer, usage: Usage, recorder: _Recorder,
+                 num_choices: int) -> None:
+        self._ctx, self._renderer, self._usage, self._recorder = ctx, renderer, usage, recorder
+        self._results = [ChoiceResult(i) for i in range(num_choices)]
+        self.response: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+
+    def step(self, step: Step) -> None:
+        if self.response.done():
+            return
+        self._usage.update(step)
+        self._recorder.step(step)
+        result = self._results[step.index]
         result.text += step.text
         result.logprobs.extend(step.logprobs)
         result.prompt_logprobs.extend(step.prompt_logprobs)
         if step.finish_reason is not None:
             result.finish_reason, result.stop_reason = step.finish_reason, step.stop_reason
-    return renderer.response(ctx, results, usage)
+
+    def end(self) -> None:
+        if not self.response.done():
+            self.response.set_result(self._renderer.response(self._ctx, self._results, self._usage))
+
+    def fail(self, error: OpenAIError) -> None:
+        if not self.response.done():
+            self.response.set_exception(error)
 
 
-class _ChoiceStream(StreamingResponse):
-    """An SSE response that runs ``on_close`` however it ends, even when the client left before
-    the body iterator started (then the iterator's own cleanup never runs). Its start and its last
-    message go through the middleware, the events in between straight to the server (``DIRECT_BODY_SEND``).
+class _EventStream:
+    """A stream's events, rendered as its steps come (a `StepSink`) and written by the response's task
+    (`write`). ``began``: the first step (or the error that came before any); an error before
+    ``commit()`` (the headers) is the HTTP response's, after it an error event and ``[DONE]``. At the
+    drain's deadline (SIGTERM + --shutdown-timeout) a stream still running ends with an error event.
 
-    Each event waits one turn of the event loop before it is written: an engine step's outputs wake
-    every stream at once, so the streams render their events first and then write them one after
-    the other, instead of a write between every two renderings. On loopback each write wakes its
-    reader; spread over the step's few milliseconds of rendering, nearly every event woke a client
-    (and the woken client took the gateway's core), together they arrive while it is still awake.
-    Through `strata up` at 64 streams on 2 cores (small, bfloat16, 3 runs each): client wake-ups
-    0.08-0.24 per token against 0.56-0.59, the gateway's CPU per token 0.052-0.056 ms against
-    0.065-0.066, the clients' a third less, output tok/s 2,450-2,590 against 2,330-2,480. An event
-    leaves later by the rendering of the step's other events (up to ~2 ms at 64 streams, once per
-    stream: the gaps between its tokens stay as they were)."""
+    Steps on the shared GenerateMany stream come inside the reading of the engine's reply, which
+    holds one step's outputs of every running request: every stream renders its events before any
+    writes, and each writes when its task's turn comes. On loopback each write wakes its reader;
+    a write between every two renderings woke nearly every client while the gateway was still
+    rendering (and the woken client took the gateway's core): together the events reach the clients
+    while they are still awake. Through `strata up` at 64 streams on 2 cores (small, bfloat16, 3 runs
+    each): client wake-ups 0.08-0.24 per token against 0.56-0.59, the clients' CPU a third less. An
+    event leaves later by the rendering of the step's other events (up to ~2 ms at 64 streams, once
+    per stream: the gaps between its tokens stay as they were)."""
 
-    def __init__(self, body: AsyncIterator[bytes], on_close) -> None:
-        super().__init__(body, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+    def __init__(self, renderer: Renderer, events: StreamEvents, usage: Usage, recorder: _Recorder,
+                 drain: Drain) -> None:
+        self._renderer, self._events, self._usage, self._recorder, self._drain = renderer, events, usage, recorder, drain
+        self._loop = asyncio.get_running_loop()
+        self._pending: list[bytes] = events.opening()
+        self._ended = False  # the last event is pending or written
+        self._committed = False
+        self._waiter: asyncio.Future | None = None
+        self.began: asyncio.Future[None] = self._loop.create_future()
+        _consume_result(self.began)
+
+    def commit(self) -> None:
+        self._committed = True
+
+    def step(self, step: Step) -> None:
+        if self._ended:
+            return
+        self._usage.update(step)
+        self._recorder.step(step)
+        self._pending += self._events.step(step)
+        self._wake()
+
+    def end(self) -> None:
+        if not self._ended:
+            self._pending += self._events.closing()
+            self._ended = True
+            self._wake()
+
+    def fail(self, error: OpenAIError) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if not self._committed and not self.began.done():
+            self.began.set_exception(error)
+            return
+        self._recorder.error(error)
+        self._pending += self._renderer.error_events(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self.began.done():
+            self.began.set_result(None)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def write(self, send) -> None:
+        """Writes the events to the ASGI ``send`` as they come, up to the last; the events pending
+        together (a step's of several choices, the role chunk and the first token's) as one write."""
+        while True:
+            if not self._pending:
+                if self._ended:
+                    return
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._drain.race(self._waiter)
+                except OpenAIError as error:  # the drain's deadline
+                    self.fail(error)
+                continue
+            events, self._pending = self._pending, []
+            await send({"type": "http.response.body", "body": events[0] if len(events) == 1 else b"".join(events),
+                        "more_body": True})
+            self._recorder.chunk_sent()
+
+
+class _ChoiceStream(Response):
+    """An SSE response of an `_EventStream` that runs ``on_close`` however it ends, even when the client
+    left before the stream started. Its start and its last message go through the middleware, the
+    events in between straight to the server (``DIRECT_BODY_SEND``)."""
+
+    def __init__(self, body: _EventStream, on_close) -> None:
+        self.status_code = 200
+        self.media_type = sse.MEDIA_TYPE
+        self.background = None
+        self.init_headers(sse.HEADERS)
+        self._body = body
         self._on_close = on_close
-        self._direct_send = None
 
     async def __call__(self, scope, receive, send) -> None:
         """Streams in a task of its own, which the request's task awaits, while a watcher waits for the
         client to leave and then cancels it (the stream ends quietly, as Starlette's own streaming
         response ends). Its own task, not the request's: a task resumes through every coroutine it
         awaits in, and the request's runs this under the server, the app, the middleware and the
-        router, ~30 deep, resumed twice per event (its output comes; its turn to write). Through
-        `strata up` at 64 streams on 2 cores (small, bfloat16, four rounds of three runs, alternating):
-        the gateway's CPU per token 0.046-0.059 ms (mean 0.052) against 0.052-0.068 (0.060) in the
-        request's task. Alone on a core (an engine that computes nothing) the two cost the same: the
-        deep resumes cost where the engine's work leaves the caches cold."""
-        self._direct_send = scope.get(DIRECT_BODY_SEND)
-        streaming = asyncio.create_task(self.stream_response(send))
+        router, ~30 deep, resumed once per event. Through `strata up` at 64 streams on 2 cores
+        (small, bfloat16, four rounds of three runs, alternating): the gateway's CPU per token
+        0.046-0.059 ms (mean 0.052) against 0.052-0.068 (0.060) in the request's task."""
+        direct_send = scope.get(DIRECT_BODY_SEND) or send
+        streaming = asyncio.create_task(self._stream(send, direct_send))
         client_left = False
 
         async def watch() -> None:
@@ -409,43 +490,7 @@ class _ChoiceStream(StreamingResponse):
             watcher.cancel()
             self._on_close()
 
-    async def stream_response(self, send) -> None:
+    async def _stream(self, send, direct_send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        send_event = self._direct_send or send
-        async for event in self.body_iterator:
-            await asyncio.sleep(0)  # the step's other streams render theirs first (see the class)
-            await send_event({"type": "http.response.body", "body": event, "more_body": True})
+        await self._body.write(direct_send)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _stream(ctx: RequestContext, params: GenerationParams, renderer: Renderer,
-                  first: Awaitable[Step | None], fanout: FanOut, usage: Usage, recorder: _Recorder,
-                  num_choices: int, drain: Drain) -> AsyncIterator[bytes]:
-    """The SSE body; ``first`` is the first step (already there or still coming). At the drain's
-    deadline (SIGTERM + --shutdown-timeout) a stream still running ends with an error event."""
-    events = renderer.stream(ctx, params, usage, num_choices)
-    try:
-        for event in events.opening():
-            yield event
-        step: Step | None = await drain.race(first)
-        while step is not None:
-            usage.update(step)
-            recorder.step(step)
-            for event in events.step(step):
-                yield event
-                recorder.chunk_sent()  # resumed: the event is out
-            step = await drain.race(anext(fanout, None))
-        for event in events.closing():
-            yield event
-    except OpenAIError as error:
-        recorder.error(error)
-        for event in renderer.error_events(error):
-            yield event
-    except Exception as exc:  # a bug: the client still gets an error event (and [DONE] where the endpoint ends so)
-        log.error("%s: the stream failed: %s: %s", ctx.response_id, type(exc).__name__, exc, exc_info=exc)
-        error = OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
-        recorder.error(error)
-        for event in renderer.error_events(error):
-            yield event
-    finally:
-        fanout.cancel()

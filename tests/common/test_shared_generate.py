@@ -57,6 +57,24 @@ def test_outputs_reach_their_request_and_an_error_reads_as_the_requests_own_stat
     assert len(calls) == 1 and calls[0].half_closed
 
 
+def test_a_listener_gets_each_output_as_its_reply_is_read_up_to_the_finish_or_the_error():
+    async def run():
+        shared = SharedGenerate(lambda: ScriptedCall(three_tokens_each))
+        got = {"a": [], "bad": []}
+        for request_id in got:
+            shared.generate(engine_pb2.GenerateRequest(request_id=request_id)).listen(got[request_id].append)
+        for _ in range(100):
+            if got["a"] and got["a"][-1].finish_reason and got["bad"]:
+                break
+            await asyncio.sleep(0.01)
+        return got, shared.running("a")
+
+    got, still_running = asyncio.run(run())
+    assert [list(output.token_ids) for output in got["a"]] == [[0], [1], [2]] and not still_running
+    (error,) = got["bad"]
+    assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_requests_queued_during_a_write_go_out_together_as_the_next_message():
     async def run():
         calls = []

@@ -247,10 +247,17 @@ class FakeRequest:
 
 
 def run_serve(monkeypatch, items, stream: bool, leave_after_s: float | None = None, headers_timeout_s: float = 0.1):
-    fanout = ScriptedChoices(items)  # (delay_s, step or exception) items
-    monkeypatch.setattr(serving, "FanOut", lambda *args: fanout)
-    fanout.metrics = GatewayMetrics()
-    state = serving.GatewayState(None, fanout.metrics, Limits(), stream_headers_timeout_s=headers_timeout_s)
+    """serve() with its choices scripted ((delay_s, step or exception) items); the response, how long
+    it took to answer, the streamed body and the scripted choices."""
+    made = []
+
+    def fanout(upstream, specs, params, eos_token_ids, sink, span):
+        made.append(ScriptedChoices(items, sink))
+        return made[-1]
+
+    monkeypatch.setattr(serving, "FanOut", fanout)
+    metrics = GatewayMetrics()
+    state = serving.GatewayState(None, metrics, Limits(), stream_headers_timeout_s=headers_timeout_s)
     params = GenerationParams(stream=stream, max_tokens=4)
 
     async def scenario():
@@ -259,12 +266,17 @@ def run_serve(monkeypatch, items, stream: bool, leave_after_s: float | None = No
                                        serving.RequestContext.new("cmpl", "tiny"), params, [[1, 2, 3]],
                                        CompletionRenderer(None, False, None, 1))
         answered_s = time.monotonic() - started
-        body = b""
-        if isinstance(response, StreamingResponse):
-            body = b"".join([chunk async for chunk in response.body_iterator])
-        return response, answered_s, body
+        body = []
+        if isinstance(response, serving._ChoiceStream):
+            async def send(message):
+                body.append(message.get("body", b""))
 
-    return (*asyncio.run(scenario()), fanout)
+            await asyncio.wait_for(response({"type": "http"}, FakeRequest().receive, send), 5)
+        return response, answered_s, b"".join(body)
+
+    response, answered_s, body = asyncio.run(scenario())
+    made[0].metrics = metrics
+    return response, answered_s, body, made[0]
 
 
 def test_a_queued_stream_gets_its_headers_before_its_first_token(monkeypatch):

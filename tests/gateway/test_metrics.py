@@ -13,6 +13,7 @@ from services.gateway.app import GatewayConfig, create_app
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import DirectBodyMiddleware, HttpMetricsMiddleware
 from services.gateway.serving import _ChoiceStream
+from tests.gateway.test_stream_writes import TextEvents, event_stream, push_steps
 
 CONFIG = GatewayConfig(tokenizer_addr="127.0.0.1:9", engine_addr="127.0.0.1:9", api_key="sk-test")
 ENGINE_SERIES = ("strata:num_requests_running", "strata:num_requests_waiting", "strata:engine_num_requests_running",
@@ -76,14 +77,13 @@ def test_a_streams_events_go_past_the_middleware_which_still_see_its_start_and_e
     app = FastAPI()
     seen = []
     closed = []
+    pushing = []  # (a task's reference kept)
 
     @app.get("/stream")
     async def stream():
-        async def body():
-            for i in range(3):
-                await asyncio.sleep(0.1)
-                yield f"data: {i}\n\n".encode()
-        return _ChoiceStream(body(), lambda: closed.append(True))
+        events = event_stream(TextEvents())
+        pushing.append(asyncio.create_task(push_steps(events, ["0", "1", "2"], 0.1)))
+        return _ChoiceStream(events, lambda: closed.append(True))
 
     class Recording:
         def __init__(self, app):

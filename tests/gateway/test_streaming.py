@@ -15,48 +15,54 @@ from services.gateway.drain import Drain
 from services.gateway.errors import OpenAIError
 from services.gateway.generation import Step
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.serving import RequestContext, Usage, _Recorder, _stream
+from services.gateway.serving import RequestContext, Usage, _EventStream, _Recorder
 from services.gateway.validation import GenerationParams
 
 
 class ScriptedChoices:
-    """Yields the given steps (an exception is raised when reached), like FanOut; an item may be a
-    ``(delay_s, step)`` pair, yielded after that delay."""
+    """Pushes the given steps to a `StepSink` as FanOut does, then ends it; an exception fails it when
+    reached (and cancels the rest, as FanOut does on an engine's error); an item may be a
+    ``(delay_s, step)`` pair, pushed after that delay."""
 
-    def __init__(self, items):
-        self._items = list(items)
+    def __init__(self, items, sink):
         self.finished = False
         self.cancelled = False
+        self._pushing = asyncio.ensure_future(self._push(list(items), sink))
 
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self._items:
-            self.finished = True
-            raise StopAsyncIteration
-        item = self._items.pop(0)
-        if isinstance(item, tuple):
-            delay, item = item
-            await asyncio.sleep(delay)
-        if isinstance(item, Exception):
-            raise item
-        return item
+    async def _push(self, items, sink):
+        for item in items:
+            if isinstance(item, tuple):
+                delay, item = item
+                await asyncio.sleep(delay)
+            if isinstance(item, Exception):
+                self.cancelled = True
+                sink.fail(item)
+                return
+            sink.step(item)
+        self.finished = True
+        sink.end()
 
     def cancel(self):
         self.cancelled = True
+        self._pushing.cancel()
 
 
 def run_stream(renderer, params, steps, num_choices):
+    """The SSE body an `_EventStream` writes (its headers already sent) for the scripted steps."""
     async def collect():
         ctx = RequestContext.new("test", "m")
-        source = ScriptedChoices(steps)
-        first = asyncio.ensure_future(anext(source, None))
         usage = Usage([[1, 2, 3]], params.n)
-        recorder = _Recorder(GatewayMetrics(), ctx)
-        body = b"".join([part async for part in _stream(ctx, params, renderer, first, source, usage,
-                                                         recorder, num_choices, Drain())])
-        return sse.parse(body), source
+        stream = _EventStream(renderer, renderer.stream(ctx, params, usage, num_choices), usage,
+                              _Recorder(GatewayMetrics(), ctx), Drain())
+        stream.commit()
+        source = ScriptedChoices(steps, stream)
+        written = []
+
+        async def send(message):
+            written.append(message["body"])
+
+        await asyncio.wait_for(stream.write(send), 5)
+        return sse.parse(b"".join(written)), source
     return asyncio.run(collect())
 
 
@@ -65,7 +71,7 @@ def test_chat_stream_framing_with_n_and_usage():
     steps = [Step(0, "Hel", [1], completion_tokens=1), Step(1, "Yo", [2], completion_tokens=1),
              Step(0, "lo", [3], finish_reason="length", completion_tokens=2),
              Step(1, "", [4], finish_reason="stop", stop_reason=4, completion_tokens=2)]
-    events, source = run_stream(ChatRenderer(None, False), params, steps, 2)
+    events, _ = run_stream(ChatRenderer(None, False), params, steps, 2)
     assert events[-1] == "[DONE]"
     *chunks, usage_chunk = events[:-1]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
@@ -81,18 +87,16 @@ def test_chat_stream_framing_with_n_and_usage():
         assert choices[-1]["finish_reason"] is not None
     assert "".join(c["delta"].get("content", "") for c in by_index[0]) == "Hello"
     assert by_index[1][-1]["stop_reason"] == 4
-    assert source.cancelled  # cleanup always cancels what is left upstream
 
 
 def test_error_after_the_stream_began_is_an_error_event_then_done():
     params = GenerationParams(stream=True)
     steps = [Step(0, "partial", [1]), OpenAIError("engine failed: UNAVAILABLE", 503)]
-    events, source = run_stream(CompletionRenderer(None, False, None, 1), params, steps, 1)
+    events, _ = run_stream(CompletionRenderer(None, False, None, 1), params, steps, 1)
     assert events[0]["choices"][0]["text"] == "partial"
     assert events[1] == {"error": {"message": "engine failed: UNAVAILABLE",
                                    "type": "service_unavailable_error", "param": None, "code": None}}
     assert events[2:] == ["[DONE]"]
-    assert source.cancelled
 
 
 def test_empty_steps_send_no_chunk():
