@@ -374,7 +374,11 @@ class _EventStream:
 
     Steps on the shared GenerateMany stream come inside the reading of the engine's reply, which
     holds one step's outputs of every running request: every stream renders its events before any
-    writes, and each writes when its task's turn comes. On loopback each write wakes its reader;
+    writes, and each writes from a callback of the event loop that follows (`_flush`), without its
+    task: a task woken per event cost the gateway 0.0529 ms of CPU per token against 0.0498 through
+    `strata up` at 64 streams on 2 cores (small, bfloat16, two alternating rounds of three runs). The
+    task writes only what does not go out so: the first events, the last, and those that come while
+    a write waits for a slow client, in order behind it. On loopback each write wakes its reader;
     a write between every two renderings woke nearly every client while the gateway was still
     rendering (and the woken client took the gateway's core): together the events reach the clients
     while they are still awake. Through `strata up` at 64 streams on 2 cores (small, bfloat16, 3 runs
@@ -389,7 +393,10 @@ class _EventStream:
         self._pending: list[bytes] = events.opening()
         self._ended = False  # the last event is pending or written
         self._committed = False
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future | None = None  # the task's, while it waits
+        self._send = None  # the ASGI send, while the task waits and the events go out from `_flush`
+        self._flush_soon = False
+        self._stalled: tuple | None = None  # a send `_flush` began that waits (the client reads slowly)
         self.began: asyncio.Future[None] = self._loop.create_future()
         _consume_result(self.began)
 
@@ -424,27 +431,94 @@ class _EventStream:
     def _wake(self) -> None:
         if not self.began.done():
             self.began.set_result(None)
+        if self._send is not None and not self._ended:
+            if not self._flush_soon:
+                self._flush_soon = True
+                self._loop.call_soon(self._flush)
+            return
+        self._wake_task()
+
+    def _wake_task(self) -> None:
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _flush(self) -> None:
+        """Writes the pending events without the task, where the send does not wait; one that waits
+        is left to the task to finish."""
+        self._flush_soon = False
+        send = self._send
+        if send is None or not self._pending:
+            return
+        events, self._pending = self._pending, []
+        sending = send(_body(events))
+        try:
+            waits_on = sending.send(None)
+        except StopIteration:
+            self._recorder.chunk_sent()
+            return
+        except Exception as error:  # the task raises it
+            self._send, self._stalled = None, (_raise(error), None)
+            self._wake_task()
+            return
+        self._send, self._stalled = None, (sending, waits_on)
+        self._wake_task()
+
     async def write(self, send) -> None:
         """Writes the events to the ASGI ``send`` as they come, up to the last; the events pending
-        together (a step's of several choices, the role chunk and the first token's) as one write."""
+        together (a step's of several choices, the role chunk and the first token's) as one write.
+        While it waits for events, they go out from the loop's callbacks (`_flush`) instead, without a
+        task woken per event."""
         while True:
-            if not self._pending:
-                if self._ended:
-                    return
-                self._waiter = self._loop.create_future()
+            if self._stalled is not None:
+                (sending, waits_on), self._stalled = self._stalled, None
+                await _finish(sending, waits_on)
+                self._recorder.chunk_sent()
+            elif self._pending:
+                events, self._pending = self._pending, []
+                await send(_body(events))
+                self._recorder.chunk_sent()
+            elif self._ended:
+                return
+            else:
+                self._send, self._waiter = send, self._loop.create_future()
                 try:
                     await self._drain.race(self._waiter)
                 except OpenAIError as error:  # the drain's deadline
                     self.fail(error)
-                continue
-            events, self._pending = self._pending, []
-            await send({"type": "http.response.body", "body": events[0] if len(events) == 1 else b"".join(events),
-                        "more_body": True})
-            self._recorder.chunk_sent()
+                finally:
+                    self._send = None
+
+
+def _body(events: list[bytes]) -> dict:
+    return {"type": "http.response.body", "body": events[0] if len(events) == 1 else b"".join(events),
+            "more_body": True}
+
+
+async def _raise(error: Exception) -> None:
+    raise error
+
+
+async def _finish(coroutine, waits_on) -> None:
+    """Runs ``coroutine`` to its end, which began outside a task and yielded ``waits_on`` (what it
+    awaits: a future, or None for a bare yield)."""
+    while True:
+        try:
+            if waits_on is None:
+                await asyncio.sleep(0)
+            else:
+                waits_on._asyncio_future_blocking = False  # taken over, as a task takes what it is given
+                await waits_on
+        except BaseException as error:  # (a cancellation included: the coroutine cleans up)
+            try:
+                waits_on = coroutine.throw(error)
+            except StopIteration:
+                return
+            continue
+        try:
+            waits_on = coroutine.send(None)
+        except StopIteration:
+            return
 
 
 class _ChoiceStream(Response):

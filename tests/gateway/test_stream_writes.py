@@ -93,6 +93,34 @@ def test_events_pending_together_leave_in_one_write():
     assert asyncio.run(main()) == [b"data: x\n\ndata: y\n\n"]
 
 
+def test_a_write_that_waits_for_a_slow_client_holds_the_later_events_back_in_order():
+    async def main():
+        stream = event_stream(TextEvents())
+        writable = asyncio.Event()
+        writable.set()
+        writes = []
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message["body"]:
+                writes.append(message["body"].decode())
+                if len(writes) == 2:  # the client's window is full: this write waits 50 ms
+                    writable.clear()
+                    asyncio.get_running_loop().call_later(0.05, writable.set)
+            await writable.wait()
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        response = asyncio.create_task(_ChoiceStream(stream, lambda: None)({"type": "http"}, receive, send))
+        await push_steps(stream, [str(i) for i in range(6)], 0.01)
+        await asyncio.wait_for(response, 5)
+        return writes
+
+    writes = asyncio.run(main())
+    assert "".join(writes) == "".join(f"data: {i}\n\n" for i in range(6))
+    assert len(writes) < 6  # what came while a write waited left together after it
+
+
 def run_stream(num_events: int, client_leaves_after: int | None):
     """A `_ChoiceStream` of ``num_events`` events, one every 10 ms, to a client that leaves after
     that many events (None: stays); what the client got and whether on_close ran."""
