@@ -167,13 +167,14 @@ class FanOut:
         for spec in specs:
             call = upstream.generate(spec.request)
             self._calls.append(call)
-            deliver = self._deliverer(call, ChoiceDecoder(upstream, spec, params, eos_token_ids, span))
+            deliver = self._deliverer(call, ChoiceDecoder(upstream, spec, params, eos_token_ids, span),
+                                      spec.request.request_id)
             if isinstance(call, SharedGenerateCall):
                 call.listen(deliver)
             else:
                 self._readers.append(asyncio.create_task(_read(call, deliver)))
 
-    def _deliverer(self, call, decoder: ChoiceDecoder) -> Callable[[object], None]:
+    def _deliverer(self, call, decoder: ChoiceDecoder, request_id: str) -> Callable[[object], None]:
         def deliver(item: engine_pb2.GenerateResponse | Exception) -> None:
             """One output of the choice's call, or the error that ended it."""
             if self._over or decoder.finished:
@@ -190,14 +191,14 @@ class FanOut:
                     self._over = self.finished = True
                     self._sink.end()
             except Exception as error:
-                self._fail(error)
+                self._fail(error, request_id)
         return deliver
 
-    def _fail(self, error: Exception) -> None:
+    def _fail(self, error: Exception, request_id: str) -> None:
         if isinstance(error, grpc.RpcError):
             error = errors.from_grpc(error, "engine")
         elif not isinstance(error, errors.OpenAIError):  # a bug: the client still gets an error
-            log.error("the generation failed: %s: %s", type(error).__name__, error, exc_info=error)
+            log.error("%s: the generation failed: %s: %s", request_id, type(error).__name__, error, exc_info=error)
             error = errors.OpenAIError(f"Internal server error: {type(error).__name__}: {error}", 500)
         if error.status == 400:  # a refusal names the client's field, not the engine's
             error.param = self._params.request_param(error.param)
