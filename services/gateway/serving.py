@@ -367,8 +367,8 @@ class _Collector:
 
 
 class _EventStream:
-    """A stream's events, rendered as its steps come (a `StepSink`) and written by the response's task
-    (`write`). ``began``: the first step (or the error that came before any); an error before
+    """A stream's events, rendered as its steps come (a `StepSink`) and written to the client (`write`,
+    which the response's task runs). ``began``: the first step (or the error that came before any); an error before
     ``commit()`` (the headers) is the HTTP response's, after it an error event and ``[DONE]``. At the
     drain's deadline (SIGTERM + --shutdown-timeout) a stream still running ends with an error event.
 
