@@ -121,6 +121,35 @@ def test_a_write_that_waits_for_a_slow_client_holds_the_later_events_back_in_ord
     assert len(writes) < 6  # what came while a write waited left together after it
 
 
+def test_a_client_that_leaves_while_a_write_waits_ends_the_stream_and_the_write():
+    write_ended, closed = [], []
+
+    async def main():
+        stream = event_stream(TextEvents())
+        left = asyncio.Event()
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message["body"]:
+                try:
+                    await asyncio.Event().wait()  # the client's window stays full
+                finally:
+                    write_ended.append(True)
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        response = asyncio.create_task(_ChoiceStream(stream, lambda: closed.append(True))({"type": "http"}, receive, send))
+        await asyncio.sleep(0.01)
+        stream.step(Step(0, "x", [1]))  # its write waits
+        await asyncio.sleep(0.01)
+        left.set()
+        await asyncio.wait_for(response, 5)
+
+    asyncio.run(main())
+    assert write_ended == [True] and closed == [True]
+
+
 def run_stream(num_events: int, client_leaves_after: int | None):
     """A `_ChoiceStream` of ``num_events`` events, one every 10 ms, to a client that leaves after
     that many events (None: stays); what the client got and whether on_close ran."""
