@@ -203,7 +203,11 @@ class FanOut:
         if error.status == 400:  # a refusal names the client's field, not the engine's
             error.param = self._params.request_param(error.param)
         self.cancel()
-        self._sink.fail(error)
+        try:
+            self._sink.fail(error)
+        except Exception as bug:  # (in rendering the error: the response ends without it)
+            log.error("%s: the failure could not be answered: %s: %s", request_id, type(bug).__name__, bug,
+                      exc_info=bug)
 
     def cancel(self) -> None:
         self._over = True

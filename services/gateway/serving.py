@@ -424,9 +424,11 @@ class _EventStream:
         if not self._committed and not self.began.done():
             self.began.set_exception(error)
             return
-        self._recorder.error(error)
-        self._pending += self._renderer.error_events(error)
-        self._wake()
+        try:
+            self._recorder.error(error)
+            self._pending += self._renderer.error_events(error)
+        finally:  # the stream ends even where the error's events could not be made
+            self._wake()
 
     def _wake(self) -> None:
         if not self.began.done():

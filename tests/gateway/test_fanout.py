@@ -77,12 +77,13 @@ class Upstream:
 
 
 class Sink:
-    def __init__(self, fail_on_text: str | None = None) -> None:
+    def __init__(self, fail_on_text: str | None = None, failing_fails: bool = False) -> None:
         self.steps: list[Step] = []
         self.errors: list[OpenAIError] = []
         self.ended = 0
         self.done = asyncio.Event()
         self._fail_on_text = fail_on_text
+        self._failing_fails = failing_fails  # its fail() raises too
 
     def step(self, step: Step) -> None:
         if step.text == self._fail_on_text:
@@ -96,6 +97,8 @@ class Sink:
     def fail(self, error: OpenAIError) -> None:
         self.errors.append(error)
         self.done.set()
+        if self._failing_fails:
+            raise KeyError("a bug in rendering the error")
 
 
 def start(upstream: Upstream, params: GenerationParams, sink: Sink, request_id: str = "r") -> FanOut:
@@ -119,10 +122,11 @@ def test_a_stop_string_ends_the_choice_and_aborts_it_in_the_engine():
     assert [list(m.abort_request_ids) for m in upstream.shared_calls[0].written if m.abort_request_ids] == [["r-0"]]
 
 
-def test_a_sink_that_raises_fails_its_request_alone():
+@pytest.mark.parametrize("failing_fails", [False, True])
+def test_a_sink_that_raises_fails_its_request_alone(failing_fails):
     async def run():
         upstream = Upstream()
-        broken, other = Sink(fail_on_text="c"), Sink()
+        broken, other = Sink(fail_on_text="c", failing_fails=failing_fails), Sink()
         start(upstream, GenerationParams(), broken, "broken")
         start(upstream, GenerationParams(), other, "other")
         await asyncio.wait_for(asyncio.gather(broken.done.wait(), other.done.wait()), 5)

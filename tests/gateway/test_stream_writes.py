@@ -6,6 +6,7 @@ import asyncio
 
 from services.gateway.completions import CompletionRenderer
 from services.gateway.drain import Drain
+from services.gateway.errors import OpenAIError
 from services.gateway.generation import Step
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.serving import RequestContext, Usage, _ChoiceStream, _EventStream, _Recorder
@@ -148,6 +149,35 @@ def test_a_client_that_leaves_while_a_write_waits_ends_the_stream_and_the_write(
 
     asyncio.run(main())
     assert write_ended == [True] and closed == [True]
+
+
+def test_a_stream_whose_error_cannot_be_rendered_still_ends():
+    class Unrenderable(CompletionRenderer):
+        def error_events(self, error):
+            raise KeyError("a rendering bug")
+
+    async def main():
+        ctx = RequestContext.new("test", "m")
+        usage = Usage([[1, 2, 3]], 1)
+        stream = _EventStream(Unrenderable(None, False, None, 1), TextEvents(), usage,
+                              _Recorder(GatewayMetrics(), ctx), Drain())
+        stream.commit()
+        writes = []
+
+        async def send(message):
+            writes.append(message["body"])
+
+        writing = asyncio.create_task(stream.write(send))
+        stream.step(Step(0, "x", [1]))
+        await asyncio.sleep(0.01)  # written; the writer waits for more
+        try:
+            stream.fail(OpenAIError("engine failed: UNAVAILABLE", 503))
+        except KeyError:
+            pass  # (FanOut logs it)
+        await asyncio.wait_for(writing, 5)  # not a hung stream
+        return writes
+
+    assert asyncio.run(main()) == [b"data: x\n\n"]
 
 
 def run_stream(num_events: int, client_leaves_after: int | None):
