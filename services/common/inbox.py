@@ -34,10 +34,6 @@ class Inbox(Generic[T]):
     def empty(self) -> bool:
         return not self._items
 
-    def pop(self) -> T:
-        """The oldest item, without waiting (there must be one)."""
-        return self._items.popleft()
-
     async def get(self) -> T:
         """The oldest item, waiting for one if there is none; a cancelled wait takes nothing."""
         while not self._items:

@@ -120,12 +120,12 @@ class SharedGenerateCall:
         self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
     def listen(self, listener: Callable[[engine_pb2.GenerateResponse | Exception], None]) -> None:
-        """From now on hands each output to ``listener`` as soon as it is read, inside the reading of
-        the stream's reply (no task woken per output), up to the one with a finish reason or the
-        error that ends the call; in place of iterating."""
+        """Hands each output to ``listener`` as soon as it is read, inside the reading of the stream's
+        reply (no task woken per output), up to the one with a finish reason or the error that ends
+        the call; in place of iterating. Call it right after `SharedGenerate.generate`, before the
+        caller awaits anything: the replies are read by another task, so none has come yet."""
+        assert self._outputs.empty(), "listen() after outputs came"
         self._listener = listener
-        while not self._outputs.empty() and not self._done:
-            self.deliver(self._outputs.pop())
 
     def deliver(self, output: engine_pb2.GenerateResponse | Exception) -> None:
         if self._listener is None:

@@ -434,7 +434,7 @@ class _EventStream:
         if not self.began.done():
             self.began.set_result(None)
         if self._send is not None and not self._ended:
-            if not self._flush_soon:
+            if self._pending and not self._flush_soon:  # (a step may show nothing)
                 self._flush_soon = True
                 self._loop.call_soon(self._flush)
             return
