@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from services.common import request_id as request_ids
 from services.common.errors import ServiceUnavailableError
+from services.common.gc_heap import freeze_startup_heap
 from services.common.generate_many import Replies, serve_generate_many
 from services.common.grpc_server import GrpcServer
 from services.common.pb import engine_pb2, engine_pb2_grpc
@@ -183,6 +184,7 @@ def run_server(config: EngineConfig, host: str, port: int, served_model_name: st
         servicer.engine = engine = AsyncEngine(core, on_step=events.after_step(observe_step) if events else observe_step,
                                                step_tracer=step_tracer)
         metrics.on_catch_up(lambda: metrics.observe_load(engine.stats))  # the load now, not the last step's
+        freeze_startup_heap(f"engine {config.replica_id}")
     loop.call_soon_threadsafe(serving.loaded.set)
     loading_thread.join()  # serving.start() returns once the model is loaded (or a stop came first)
     loop.run_until_complete(serving.finish())

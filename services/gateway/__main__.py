@@ -8,6 +8,7 @@ from pathlib import Path
 
 import uvicorn
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.telemetry import setup_tracing
 from services.common.tls import add_tls_args, tls_from_args
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                             log_config=None, timeout_graceful_shutdown=args.shutdown_timeout + 2.0),
                              app.state.drain, args.shutdown_timeout)
+    freeze_startup_heap("gateway")
     server.run()
     return 0
 

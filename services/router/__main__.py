@@ -6,6 +6,7 @@ import argparse
 import uvloop
 
 from services.common.block_hash import DEFAULT_HASH_SEED
+from services.common.gc_heap import freeze_startup_heap
 from services.common.logging_setup import add_logging_args, setup_logging
 from services.common.nats_auth import is_authenticated
 from services.common.telemetry import setup_tracing
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--health-check-interval must be > 0, --max-attempts >= 1 and --migration-limit >= 0")
     setup_logging(args.log_level, args.log_format, service="strata-router", instance=args.router_id)
     setup_tracing("strata-router", instance_id=args.router_id)
+    freeze_startup_heap(f"router {args.router_id}")
     uvloop.run(serve(args.host, args.port, addresses, args.nats_url, args.router_id, args.prefix_cache_hash_seed,
                      args.health_check_interval, args.max_attempts, args.policy, args.metrics_port,
                      args.forget_after, args.max_joined_replicas, args.shutdown_timeout, tls,

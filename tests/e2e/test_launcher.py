@@ -114,6 +114,9 @@ def test_replicas_behind_a_router(default_model_dir, tmp_path):
             for i in range(4):
                 response = client.completions.create(model=stack.model_name, prompt=f"request {i}", max_tokens=3)
                 assert response.usage.completion_tokens == 3
+        for service in stack.services:  # each Python service, once ready (`services.common.gc_heap`)
+            if service.name != "nats":
+                assert "start-up objects frozen" in service.log_path.read_text(), service.name
     assert all(service.exit_code is not None for service in stack.services)
 
 
