@@ -8,7 +8,8 @@ gateway ~71,000 (FastAPI, pydantic, OpenTelemetry). Measured through `strata up`
 (small model, bfloat16): one full collection took 80-100 ms in the engine and 17-39 ms in the
 gateway; after `freeze_startup_heap`, 0.1 ms and 0.5-1.0 ms (what came after start-up). CPython
 runs one whenever the objects that survived the younger collections since the last one reach a
-quarter of those it held, so a long-serving process meets one now and then, mid-stream. vLLM's engine does the same after start-up (collect, then `gc.freeze()`).
+quarter of those it held, so a long-serving process meets one now and then, mid-stream. vLLM's
+engine does the same after start-up (collect, then `gc.freeze()`).
 
 Start-up's garbage is collected first; what is frozen stays for the life of the process, as
 start-up's objects do anyway. Objects made later are collected as before.
