@@ -140,9 +140,10 @@ class ThreadGovernor:
     through ``strata up`` alone, where a probe then put the engine on one thread.
 
     Where the cores are contended and the process got half a core or more fewer than its team
-    (``cores_got``: the CPU seconds its threads ran per second of steps) in two measures in a row, the
-    team shrinks to the cores it got at once, without a probe, and a probe up to more threads is judged
-    lost while they would get no more. Where half a core or more of the usable ones sat idle in the
+    (``cores_got``: the CPU seconds its threads ran per second of steps) in two measures in a row, or
+    three quarters of a core or more fewer in one (``WHOLE_CORE_SHORT``), the team shrinks to the
+    cores it got at once, without a probe, and a probe up to more threads is judged lost while they
+    would get no more. Where half a core or more of the usable ones sat idle in the
     last measure (``usable_cores_idle``), a team below the ceiling tries one thread more at once: the
     cores' takers left. A probe needs two windows of comparable batches, which a ramping load (64
     streams starting) does not give for many seconds: beside one busy process on 2 cores through
@@ -200,7 +201,7 @@ class ThreadGovernor:
             return
         if self._step_seconds >= self.window_seconds:  # every step counts: a load that starts with many
             self._measure_contention()                 # prompts prefills for seconds before it decodes
-            if self._trial_from is None and self._short_of_cores(twice=True):
+            if self._trial_from is None and self._short_of_cores(settled=True):
                 self._shrink_to_cores_got()
         if not decode_only or num_rows == 0:
             return
@@ -262,13 +263,20 @@ class ThreadGovernor:
             return self._last_core_wait is None
         return self.contended_share >= CONTENDED_SHARE
 
-    def _short_of_cores(self, twice: bool = False) -> bool:
+    def _short_of_cores(self, settled: bool = False) -> bool:
         """The cores are contended and the last measure's team got half a core or more fewer than its
-        threads; ``twice``: the measure before's too (one stream through ``strata up`` alone is short
-        in a measure now and then, beside a busy process in every one)."""
+        threads; ``settled``: and either the measure before was short too, or this one three quarters
+        of a core or more. A neighbour that runs all the time takes a whole core in every measure
+        after the one it started in (beside one busy process on 2 cores through ``strata up``, two
+        threads got 0.98-1.09 cores, waiting 49-55% of their time; alone 1.5-1.98 at 1 and at 64
+        streams, waiting 1-14%, 39% in one measure in ~70), so one measure tells it: at one stream the
+        team shrank 1.0 s after the busy process started instead of 1.8 (through `strata up` on 2 cores,
+        bfloat16; one thread decodes faster there)."""
         short = (self.threads > 1 and self.cores_got is not None and self._contended()
                  and self.cores_got <= self.threads - 0.5)
-        return short and (not twice or self._short_before)
+        if not settled or not short:
+            return short
+        return self._short_before or self.cores_got <= self.threads - WHOLE_CORE_SHORT
 
     def _cores_left_idle(self) -> bool:
         """Fewer threads than the ceiling while half a core or more of the usable ones sat idle in the
@@ -349,6 +357,8 @@ class ThreadGovernor:
 # `strata up` at 1 and at 64 streams, the gateway, tokenizer and clients beside it, 23-26% (two
 # threads decode faster there); beside one busy process ~49% (one thread may decode faster).
 CONTENDED_SHARE = 1 / 3
+# A measure whose team got this many cores fewer than its threads shrinks it at once (`_short_of_cores`).
+WHOLE_CORE_SHORT = 0.75
 
 
 def process_core_wait() -> tuple[float, float] | None:
