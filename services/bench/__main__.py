@@ -3,6 +3,8 @@
 import importlib
 import sys
 
+from services.engine.threads import use_openmp_wait_policy
+
 TOOLS = {
     "serve": ("services.bench.serve", "load-test a running OpenAI-compatible server"),
     "offline": ("services.bench.offline", "the engine in-process against HF transformers"),
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in TOOLS:
         print(f"strata bench: unknown tool {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    use_openmp_wait_policy()  # before the tool's imports load torch: offline and overhead run an engine
     module = importlib.import_module(TOOLS[argv[0]][0])
     return module.main(argv[1:]) or 0
 

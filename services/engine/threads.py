@@ -1,7 +1,7 @@
 """The engine's CPU threads: how many run the model's kernels, and how OpenMP's idle ones wait.
 
-Both are set where an engine process starts (`strata engine`, `strata generate`, `strata bench`),
-and by the launcher for its engine children:
+Both are set where an engine process starts (`strata engine`, `strata generate`, `strata bench`, and
+`python -m` of `services.engine` and `services.bench`), and by the launcher for its engine children:
 
 - The wait policy goes into the environment before torch is imported: GNU libgomp (torch's OpenMP)
   reads it once, when it loads. libgomp's own default spins an idle thread ~300,000 times (a few

@@ -64,6 +64,20 @@ def test_strata_sets_the_wait_policy_before_torch_loads():
     assert 100 <= int(spin_count) <= 1_000_000 and torch_loaded == "False"  # timed in that process
 
 
+def test_python_m_services_bench_sets_it_too():
+    # `python -m services.bench overhead` runs an engine in-process without `strata`'s entry point
+    code = ("import sys, os\n"
+            "from services.bench import __main__ as bench\n"
+            "sys.modules['services.bench.overhead'] = type(sys)('stub')\n"
+            "sys.modules['services.bench.overhead'].main = lambda argv: print(os.environ.get('GOMP_SPINCOUNT'),"
+            " 'torch' in sys.modules)\n"
+            "bench.main(['overhead'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    spin_count, torch_loaded = out.split()
+    assert 100 <= int(spin_count) <= 1_000_000 and torch_loaded == "False"
+
+
 def test_the_launcher_gives_one_replica_as_many_their_threads_and_wait_policy(monkeypatch):
     for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(name, raising=False)
