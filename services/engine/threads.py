@@ -268,7 +268,7 @@ class ThreadGovernor:
         threads; ``settled``: and either the measure before was short too, or this one three quarters
         of a core or more. A neighbour that runs all the time takes a whole core in every measure
         after the one it started in (beside one busy process on 2 cores through ``strata up``, two
-        threads got 0.98-1.09 cores, waiting 49-55% of their time; alone 1.5-1.98 at 1 and at 64
+        threads got 0.98-1.09 cores, waiting 49-55% of their time; alone 1.48-1.98 at 1 and at 64
         streams, waiting 1-14%, 39% in one measure in ~70), so one measure tells it: at one stream the
         team shrank 1.0 s after the busy process started instead of 1.8 (through `strata up` on 2 cores,
         bfloat16; one thread decodes faster there)."""
