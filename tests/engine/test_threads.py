@@ -51,31 +51,20 @@ def test_num_threads_flag_then_omp_num_threads_then_usable_cores():
     assert resolve_num_threads(None, {"OMP_NUM_THREADS": "4,2"}) == usable_cores()  # nested lists: ours
 
 
-def test_strata_sets_the_wait_policy_before_torch_loads():
-    code = ("import sys, os\n"
-            "from services import cli\n"
-            "sys.modules['services.engine.offline'] = type(sys)('stub')\n"
-            "sys.modules['services.engine.offline'].main = lambda argv: print(os.environ.get('GOMP_SPINCOUNT'),"
-            " 'torch' in sys.modules)\n"
-            "cli.main(['generate'])\n")
+@pytest.mark.parametrize("entry, module, argv", [
+    ("from services import cli as entry", "services.engine.offline", ["generate"]),  # `strata generate`
+    # `python -m services.bench overhead`: an engine in-process without `strata`'s entry point
+    ("from services.bench import __main__ as entry", "services.bench.overhead", ["overhead"]),
+])
+def test_the_entry_points_set_the_wait_policy_before_torch_loads(entry, module, argv):
+    code = (f"import sys, os\n{entry}\n"
+            f"sys.modules[{module!r}] = type(sys)('stub')\n"
+            f"sys.modules[{module!r}].main = lambda argv: print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)\n"
+            f"entry.main({argv!r})\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     spin_count, torch_loaded = out.split()
     assert 100 <= int(spin_count) <= 1_000_000 and torch_loaded == "False"  # timed in that process
-
-
-def test_python_m_services_bench_sets_it_too():
-    # `python -m services.bench overhead` runs an engine in-process without `strata`'s entry point
-    code = ("import sys, os\n"
-            "from services.bench import __main__ as bench\n"
-            "sys.modules['services.bench.overhead'] = type(sys)('stub')\n"
-            "sys.modules['services.bench.overhead'].main = lambda argv: print(os.environ.get('GOMP_SPINCOUNT'),"
-            " 'torch' in sys.modules)\n"
-            "bench.main(['overhead'])\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    spin_count, torch_loaded = out.split()
-    assert 100 <= int(spin_count) <= 1_000_000 and torch_loaded == "False"
 
 
 def test_the_launcher_gives_one_replica_as_many_their_threads_and_wait_policy(monkeypatch):
