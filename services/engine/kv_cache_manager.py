@@ -38,6 +38,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, event_sink)
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._req_to_block_ids: dict[str, list[int]] = {}  # the same tables as ids (copied each step)
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of each table already cached
 
     @property
@@ -83,6 +84,10 @@ class KVCacheManager:
         allocated blocks, or None, changing nothing, when there are not enough free blocks.
         """
         blocks = self._req_to_blocks.get(request.request_id)
+        if blocks is not None and not computed_blocks:  # a running request, most often one more token
+            num_to_allocate = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
+            if num_to_allocate <= 0:  # its last block has room: nothing to take (as below, without the rest)
+                return []
         if computed_blocks and blocks:
             raise ValueError(f"request {request.request_id} already has blocks; computed_blocks are for admission")
         num_held = len(blocks or ()) + len(computed_blocks)
@@ -95,6 +100,7 @@ class KVCacheManager:
             return None
         if blocks is None:
             blocks = self._req_to_blocks[request.request_id] = []
+            self._req_to_block_ids[request.request_id] = []
             self._num_cached_blocks[request.request_id] = len(computed_blocks)
             if self.enable_prefix_caching and request.num_preemptions == 0:
                 self.prefix_cache_stats.num_queries += request.num_tokens
@@ -103,7 +109,9 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_to_allocate)
         blocks.extend(new_blocks)
-        return [block.block_id for block in new_blocks]
+        new_ids = [block.block_id for block in new_blocks]
+        self._req_to_block_ids[request.request_id] += [block.block_id for block in computed_blocks] + new_ids
+        return new_ids
 
     def cache_blocks(self, request: Request) -> None:
         """Cache the request's blocks that its computed tokens (prompt or output) have filled
@@ -128,12 +136,14 @@ class KVCacheManager:
         """Give back all of the request's blocks, last block first so it is evicted first.
         Cached blocks stay findable until evicted. A request without blocks is a no-op."""
         blocks = self._req_to_blocks.pop(request.request_id, [])
+        self._req_to_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def block_ids(self, request: Request) -> list[int]:
         """A copy of the request's block table (block ids in token order)."""
-        return [block.block_id for block in self._req_to_blocks.get(request.request_id, ())]
+        ids = self._req_to_block_ids.get(request.request_id)
+        return [] if ids is None else ids.copy()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while any request holds blocks."""

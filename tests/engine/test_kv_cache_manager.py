@@ -222,3 +222,22 @@ def test_reset_prefix_cache(manager, sink):
     manager.free(a)
     assert manager.reset_prefix_cache() is True
     assert manager.get_computed_blocks(make_request("b", list(range(9))))[1] == 0
+
+
+def test_decoding_takes_a_block_only_when_the_last_one_is_full(manager, sink):
+    request = make_request("a", list(range(6)))
+    admit(manager, request)
+    compute(manager, request, 6)
+    taken = []
+    for token in range(100, 105):  # positions 6 .. 10: block 1 fills at 8, block 2 starts there
+        request.append_output(token)
+        taken.append(manager.allocate_slots(request, 1))
+        compute(manager, request, 1)
+    assert taken == [[], [], [2], [], []]
+    assert manager.block_ids(request) == [0, 1, 2]
+    assert manager.block_pool.num_free_blocks == 5
+    table = manager.block_ids(request)
+    table.append(7)  # a copy: the caller's list is its own
+    assert manager.block_ids(request) == [0, 1, 2]
+    manager.free(request)
+    assert manager.block_ids(request) == []
