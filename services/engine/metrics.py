@@ -146,10 +146,11 @@ class EngineMetrics:
 
     def _record_step(self, outputs: list[RequestOutput], stats: SchedulerStats, step_seconds: float,
                      num_batched_tokens: int) -> None:
+        generated = prompts = 0  # counted over the step, each counter's lock taken once
         for output in outputs:
-            self.generation_tokens.inc(len(output.new_token_ids))
+            generated += len(output.new_token_ids)
             if output.is_first:
-                self.prompt_tokens.inc(output.num_prompt_tokens)
+                prompts += output.num_prompt_tokens
             times = output.times
             if times.inter_token_s is not None:
                 self.inter_token_latency.observe(times.inter_token_s)
@@ -161,6 +162,9 @@ class EngineMetrics:
                 self.inference_time.observe(times.inference_s)
                 self.request_prompt_tokens.observe(output.num_prompt_tokens)
                 self.request_generation_tokens.observe(output.num_output_tokens)
+        self.generation_tokens.inc(generated)
+        if prompts:
+            self.prompt_tokens.inc(prompts)
         last = self._last
         self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
