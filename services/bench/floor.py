@@ -10,6 +10,12 @@ It counts the work the requests cannot avoid and charges it at rates measured he
 Everything else is left out (norms, rotary, sampling, weight reads at small batch, scheduling, and
 the fact that small decode batches run GEMMs far below the best rate), so no real engine reaches the
 floor. It tells how far an engine could still go on this machine, and which targets are out of reach.
+
+Both rates are the best of a few passes, and on a machine shared with others the best pass moves from
+run to run while a whole workload's rate moves less: on a 2-vCPU Xeon VM the read bandwidth came out
+at 25.9 and 30.9 GB/s in two `strata bench offline` runs 18 minutes apart (and 23.5-31.9 within
+minutes), and the engine's ratio to the floor at 0.76x and 0.73x, the faster engine run (1,206 against
+1,161 tok/s) in the run with the higher bandwidth. Compare ratios from runs whose measured rates agree.
 """
 
 import time
