@@ -38,7 +38,6 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, event_sink)
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
-        self._req_to_block_ids: dict[str, list[int]] = {}  # the same tables as ids (copied each step)
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of each table already cached
 
     @property
@@ -100,7 +99,6 @@ class KVCacheManager:
             return None
         if blocks is None:
             blocks = self._req_to_blocks[request.request_id] = []
-            self._req_to_block_ids[request.request_id] = []
             self._num_cached_blocks[request.request_id] = len(computed_blocks)
             if self.enable_prefix_caching and request.num_preemptions == 0:
                 self.prefix_cache_stats.num_queries += request.num_tokens
@@ -109,9 +107,7 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_to_allocate)
         blocks.extend(new_blocks)
-        new_ids = [block.block_id for block in new_blocks]
-        self._req_to_block_ids[request.request_id] += [block.block_id for block in computed_blocks] + new_ids
-        return new_ids
+        return [block.block_id for block in new_blocks]
 
     def cache_blocks(self, request: Request) -> None:
         """Cache the request's blocks that its computed tokens (prompt or output) have filled
@@ -136,14 +132,12 @@ class KVCacheManager:
         """Give back all of the request's blocks, last block first so it is evicted first.
         Cached blocks stay findable until evicted. A request without blocks is a no-op."""
         blocks = self._req_to_blocks.pop(request.request_id, [])
-        self._req_to_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def block_ids(self, request: Request) -> list[int]:
         """A copy of the request's block table (block ids in token order)."""
-        ids = self._req_to_block_ids.get(request.request_id)
-        return [] if ids is None else ids.copy()
+        return [block.block_id for block in self._req_to_blocks.get(request.request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while any request holds blocks."""
