@@ -108,4 +108,5 @@ async def send_request(session: aiohttp.ClientSession, settings: RequestSettings
     out.output_tokens = timeline.output_tokens
     if timeline.prompt_tokens is not None:
         out.prompt_tokens = timeline.prompt_tokens
+    out.cached_tokens = timeline.cached_tokens
     return out

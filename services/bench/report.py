@@ -40,8 +40,11 @@ def format_run(run: RunResult, percentile_metrics: list[str], percentiles: list[
     if "request_rate_schedule" in params:
         lines.append(_row("Request rate schedule (RPS:s):", params["request_rate_schedule"]))
     lines += [_row("Benchmark duration (s):", m["duration"]),
-              _row("Total input tokens:", int(m["total_input_tokens"])),
-              _row("Total generated tokens:", int(m["total_output_tokens"])),
+              _row("Total input tokens:", int(m["total_input_tokens"]))]
+    if "total_cached_input_tokens" in m:
+        lines.append(_row("Cached input tokens (prefix cache):", _share(m["total_cached_input_tokens"],
+                                                                        m["total_input_tokens"])))
+    lines += [_row("Total generated tokens:", int(m["total_output_tokens"])),
               _row("Request throughput (req/s):", m["request_throughput"])]
     if "request_goodput" in m:
         lines.append(_row("Request goodput (req/s):", m["request_goodput"]))
@@ -62,6 +65,11 @@ def format_run(run: RunResult, percentile_metrics: list[str], percentiles: list[
     lines += _server_lines(run.server_metrics)
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+def _share(part: float, whole: float) -> str:
+    """``part`` and its percentage of ``whole``: "812 (43.1%)"."""
+    return f"{int(part)} ({100.0 * part / whole:.1f}%)" if whole else str(int(part))
 
 
 def _server_lines(server: dict[str, dict[str, float]]) -> list[str]:

@@ -144,7 +144,8 @@ async def send_all(session: aiohttp.ClientSession, settings: RequestSettings, re
 def request_samples(outputs: list[RequestOutput]) -> list[dict]:
     """Per-request samples in ms, as stored with `--save-detailed` and used by the plots."""
     return [{"success": o.success, "error": o.error, "prompt_tokens": o.prompt_tokens,
-             "output_tokens": o.output_tokens, "ttft_ms": o.ttft * 1000.0, "e2el_ms": o.latency * 1000.0,
+             "cached_tokens": o.cached_tokens, "output_tokens": o.output_tokens, "ttft_ms": o.ttft * 1000.0,
+             "e2el_ms": o.latency * 1000.0,
              "itl_ms": [gap * 1000.0 for gap in o.itl]} for o in outputs]
 
 

@@ -119,3 +119,11 @@ class TokenTimeline:
     def prompt_tokens(self) -> int | None:
         prompt = (self.usage or {}).get("prompt_tokens")
         return prompt if isinstance(prompt, int) else None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the server found in its prefix cache (OpenAI's
+        ``usage.prompt_tokens_details.cached_tokens``), when it said."""
+        details = (self.usage or {}).get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cached if isinstance(cached, int) else None

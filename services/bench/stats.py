@@ -29,6 +29,7 @@ class RequestOutput:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # of prompt_tokens, found in the server's prefix cache (when it says)
     output_tokens: int = 0
     cancelled: bool = False
     sent_s: float | None = None  # when the runner issued it, in seconds after the run's start; None: never
@@ -95,6 +96,9 @@ def compute_metrics(outputs: list[RequestOutput], duration_s: float, percentiles
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
     }
+    cached = [o.cached_tokens for o in done if o.cached_tokens is not None]
+    if cached:  # a run whose prompts an earlier one left in the prefix cache is not a cold one
+        metrics["total_cached_input_tokens"] = sum(cached)
     cancelled = sum(1 for o in outputs if o.cancelled)
     if cancelled:
         metrics["cancelled"] = cancelled

@@ -44,3 +44,11 @@ def test_run_table_prints_vllm_lines_and_compacts_shared_labels():
     assert "strata:generation_tokens_total           5         " in lines
     assert 'strata:request_success_total{finished_reason="length"} 1         ' in lines
     assert "process_open_fds" not in text
+    assert "Cached input tokens" not in text  # the server did not say
+
+
+def test_run_table_shows_the_prefix_cache_share_of_the_input():
+    outputs = [RequestOutput(success=True, ttft=0.01, latency=0.05, prompt_tokens=40, cached_tokens=cached,
+                             output_tokens=5) for cached in (32, 0)]
+    text = format_run(RunResult("x", metrics=compute_metrics(outputs, 1.0, [99])), [], [99])
+    assert "Cached input tokens (prefix cache):      32 (40.0%)" in text.splitlines()

@@ -95,3 +95,17 @@ def test_extra_tokens_in_the_first_chunk_are_zero_gaps():
     assert tl.ttft == 0.4
     assert tl.itl == pytest.approx([0.0, 0.1])
     assert len(tl.itl) == tl.output_tokens - 1
+
+
+def test_cached_tokens_come_from_the_usage_details():
+    def usage_with(details):
+        usage = {"prompt_tokens": 3, "completion_tokens": 1}
+        if details is not ...:
+            usage["prompt_tokens_details"] = details
+        return json.dumps({"choices": [], "usage": usage})
+
+    for details, cached in (({"cached_tokens": 2}, 2), (None, None), (..., None), ({}, None)):
+        timeline = TokenTimeline(start=0.0)
+        assert timeline.on_data(completion("a"), 0.5)
+        assert timeline.on_data(usage_with(details), 1.0)
+        assert timeline.cached_tokens == cached, details

@@ -48,6 +48,14 @@ def test_compute_metrics_exact():
     assert m["median_e2el_ms"] == pytest.approx(500.0)
     assert m["p90_e2el_ms"] == pytest.approx(900.0)
     assert "request_goodput" not in m
+    assert "total_cached_input_tokens" not in m  # no server said
+
+
+def test_cached_input_tokens_sum_what_the_completed_requests_reported():
+    outputs = known_outputs()
+    outputs[0].cached_tokens, outputs[1].cached_tokens = 4, 0
+    outputs[3].cached_tokens = 8  # failed: not counted
+    assert compute_metrics(outputs, duration_s=2.0, percentiles=[99])["total_cached_input_tokens"] == 4
 
 
 def test_goodput_counts_requests_meeting_every_slo():

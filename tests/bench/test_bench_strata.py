@@ -66,3 +66,14 @@ def test_chat_text_prompts_counts_match_usage_and_metrics(strata_url, tmp_path):
     assert m["total_input_tokens"] == sum(s["prompt_tokens"] for s in run.samples) > 6 * 30
     assert _counter(run, "strata:generation_tokens_total") == m["total_output_tokens"]
     assert _counter(run, "strata:prompt_tokens_total") == m["total_input_tokens"]
+
+
+def test_a_repeated_workload_reports_what_the_prefix_cache_held(strata_url, tmp_path):
+    """The same --seed twice: the second run's prompts are in the engine's prefix cache, and the result
+    says how much of them (every whole 16-token block before each prompt's last token)."""
+    workload = ("--random-input-len", "40", "--random-output-len", "4", "--seed", "11", "--num-warmups", "0")
+    cold = _serve(strata_url, tmp_path / "cold", *workload)
+    warm = _serve(strata_url, tmp_path / "warm", *workload)
+    assert cold.metrics["total_cached_input_tokens"] == 0
+    assert warm.metrics["total_cached_input_tokens"] == 6 * 32
+    assert [sample["cached_tokens"] for sample in warm.samples] == [32] * 6
