@@ -81,6 +81,21 @@ def test_filters_draw_the_torch_paths_token_and_only_tokens_they_keep(vocab, nam
     assert same >= 0.99, same
 
 
+@pytest.mark.parametrize("name", ["top_k", "top_p", "all three", "top_p low"])
+def test_filters_on_a_peaked_distribution_of_a_large_vocabulary(name):
+    # a language model's shape: a few tokens hold most of the mass, the rest of 152k far below the mean
+    # weight, which the native filters drop before their search (see keep_leading_run's floor)
+    generator = torch.Generator().manual_seed(7)
+    rows, vocab = 24, 151936
+    ranks = torch.stack([torch.randperm(vocab, generator=generator) for _ in range(rows)]).float()
+    logits = -2.5 * torch.log1p(ranks) + 0.3 * torch.randn(rows, vocab, generator=generator)
+    params = SamplingParams(temperature=0.8, **FILTERS[name])
+    uniforms = torch.rand(rows, dtype=torch.float64, generator=generator)
+    drawn = native(logits, [params] * rows, uniforms)
+    assert kept_by_reference(logits, params).gather(1, drawn.unsqueeze(1)).all()
+    assert (drawn == torch_path(logits, [params] * rows, uniforms)).all()
+
+
 @pytest.mark.parametrize("filters", [dict(top_k=3), dict(top_p=0.7), dict(min_p=0.3), dict(top_k=3, top_p=0.8)])
 def test_frequencies_follow_the_filtered_distribution(filters):
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 1.5]).repeat(40000, 1)
