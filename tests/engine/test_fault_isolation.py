@@ -57,14 +57,14 @@ def batch(engine: AsyncEngine, poisoned: str | None = None) -> dict:
 
 
 def test_a_request_whose_sampling_fails_fails_alone(engine, core, monkeypatch):
-    process_logits = core.model_runner.sampler.process_logits
+    draw = core.model_runner.sampler._draw
 
     def poisoned(logits, requests):
         if any(r.request_id == "poison" for r in requests):
             raise IndexError("index 999999 is out of bounds for dimension 1")
-        return process_logits(logits, requests)
+        return draw(logits, requests)
 
-    monkeypatch.setattr(core.model_runner.sampler, "process_logits", poisoned)
+    monkeypatch.setattr(core.model_runner.sampler, "_draw", poisoned)
     results = batch(engine, poisoned="poison")
     assert isinstance(results.pop("poison"), RuntimeError)
     assert all(len(tokens) == MAX_TOKENS for tokens in results.values()), results

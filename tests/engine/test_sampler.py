@@ -120,6 +120,28 @@ def test_penalties_and_logit_bias_change_logits_exactly():
     assert sampler(logits, [request(temperature=0.0, logit_bias={4: 10.0})])[0] == [4]
 
 
+def test_the_draw_sees_the_edited_logits_and_the_caller_gets_its_own_back(monkeypatch):
+    # the sampler edits the step's logits in place for its draw (no copy of the batch) and puts them back
+    torch.manual_seed(3)
+    logits = torch.randn(5, 40) * 2
+    original = logits.clone()
+    rows = [request("rep", prompt=(1, 2, 5), output=(5, 7), repetition_penalty=1.8, temperature=0.9),
+            request("freq", output=(3, 3, 3, 9), frequency_penalty=1.5, presence_penalty=0.5, top_p=0.9),
+            request("bias", logit_bias={4: 8.0, 6: -30.0}, top_k=5),
+            request("min", output=(11,), min_tokens=4, stop_token_ids=[12], temperature=0.0),
+            request("plain", temperature=1.2)]
+    tokens, _ = Sampler(40, torch.device("cpu"), seed=5)(logits, rows)
+    assert torch.equal(logits, original)
+    reference = Sampler(40, torch.device("cpu"), seed=5)
+    assert tokens == reference._draw(reference.process_logits(original, rows), rows).tolist()
+    assert tokens[3] not in (0, 12)  # min_tokens: neither eos nor the stop token yet
+    sampler = Sampler(40, torch.device("cpu"))
+    monkeypatch.setattr(sampler, "_draw", lambda *_: (_ for _ in ()).throw(RuntimeError("draw failed")))
+    with pytest.raises(RuntimeError):
+        sampler._sample(logits, rows, None)
+    assert torch.equal(logits, original)  # back where the draw raised too
+
+
 def test_penalties_over_a_batch_match_their_definition_on_every_logit():
     """Each row's penalties as OpenAI and vLLM define them, computed densely over the vocabulary here:
     repetition once per token seen in the prompt or output (divide a positive logit, multiply a

@@ -130,14 +130,14 @@ def test_a_request_past_validation_with_a_stop_id_outside_the_vocabulary_fails_a
 
 
 def test_an_invalid_request_error_raised_in_the_step_reaches_the_caller_as_it_is(clean_core, monkeypatch):
-    process_logits = clean_core.model_runner.sampler.process_logits
+    draw = clean_core.model_runner.sampler._draw
 
     def refusing(logits, requests):
         if any(r.request_id == "bad" for r in requests):
             raise InvalidRequestError("this grammar cannot be compiled")
-        return process_logits(logits, requests)
+        return draw(logits, requests)
 
-    monkeypatch.setattr(clean_core.model_runner.sampler, "process_logits", refusing)
+    monkeypatch.setattr(clean_core.model_runner.sampler, "_draw", refusing)
     tokens, failures = run(clean_core, {"bad": (prompt(1), params(0)), "good": (prompt(2), params(2))})
     assert type(failures["bad"]) is InvalidRequestError and str(failures["bad"]) == "this grammar cannot be compiled"
     assert list(failures) == ["bad"] and len(tokens["good"]) == NUM_TOKENS
