@@ -153,8 +153,9 @@ class ModelRunner:
     def compute_logits(self, scheduler_output: SchedulerOutput
                        ) -> tuple[list[Request], torch.Tensor, dict[str, tuple[int, list[SampledLogprobs]]]]:
         """The step without sampling: writes the chunks' K/V and returns the requests that sample with
-        their float32 logits ``[n, vocab]`` (row i for request i), and the prompt logprobs it computed
-        for requests gathering them (``ModelRunnerOutput.prompt_logprobs``)."""
+        their float32 logits ``[n, vocab]`` (row i for request i; valid until the runner's next step,
+        whose native call writes the same buffer), and the prompt logprobs it computed for requests
+        gathering them (``ModelRunnerOutput.prompt_logprobs``)."""
         if scheduler_output.is_empty:
             return [], torch.empty(0, self.vocab_size), {}
         num_tokens = scheduler_output.num_batched_tokens

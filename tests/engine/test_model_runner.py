@@ -78,6 +78,7 @@ def drive(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, to
                 budget -= num_new
         step = SchedulerOutput(chunks)
         sampled, logits, _ = runner.compute_logits(step)
+        logits = logits.clone()  # (valid until the runner's next step)
         output = runner.execute(step)  # recomputes the same K/V into the same slots
         assert set(output.sampled_token_ids) == {r.request_id for r in sampled}
         for request, row in zip(sampled, logits, strict=True):
