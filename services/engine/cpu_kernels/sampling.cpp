@@ -362,12 +362,7 @@ void row_logprobs(const float* x, int64_t vocab, int64_t token, int64_t k, std::
   if (!has_nan && std::isfinite(top)) {
     weights.resize(vocab);
     shifted_exp(x, vocab, 1.0f, top, weights.data());
-    double sums[4] = {0.0, 0.0, 0.0, 0.0};
-    int64_t i = 0;
-    for (; i + 4 <= vocab; i += 4)
-      for (int j = 0; j < 4; ++j) sums[j] += weights[i + j];
-    for (; i < vocab; ++i) sums[0] += weights[i];
-    log_z = top + std::log((sums[0] + sums[1]) + (sums[2] + sums[3]));
+    log_z = top + std::log(sum_of(weights.data(), vocab));
   }
   const float own = x[token];
   *token_logprob = static_cast<float>(own - log_z);
@@ -376,9 +371,9 @@ void row_logprobs(const float* x, int64_t vocab, int64_t token, int64_t k, std::
   *rank = above + 1;
   // the k largest, kept sorted (ids and values in top_ids / top_logprobs, values raw until the end)
   int64_t held = 0;
-  for (int64_t i = 0; i < vocab && k > 0; ++i) {
+  auto offer = [&](int64_t i) {
     const float v = x[i];
-    if (held == k && !(v > top_logprobs[k - 1])) continue;
+    if (held == k && !(v > top_logprobs[k - 1])) return;
     int64_t at = held < k ? held++ : k - 1;
     while (at > 0 && v > top_logprobs[at - 1]) {
       top_logprobs[at] = top_logprobs[at - 1];
@@ -387,7 +382,19 @@ void row_logprobs(const float* x, int64_t vocab, int64_t token, int64_t k, std::
     }
     top_logprobs[at] = v;
     top_ids[at] = i;
+  };
+  int64_t i = 0;
+  for (; i < vocab && held < k; ++i) offer(i);
+#ifdef STRATA_AVX512
+  // Once k are held, only the lanes above the k-th largest can enter (the threshold only rises, so a
+  // lane below it when its vector is read would have been passed over one by one too): most vectors
+  // have none (64 rows of a 152k vocabulary, k = 5: 6.1 ms one by one on 2 cores).
+  for (; k > 0 && i + 16 <= vocab; i += 16) {
+    __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(top_logprobs[k - 1]), _CMP_GT_OQ);
+    for (; above; above &= above - 1) offer(i + __builtin_ctz(above));
   }
+#endif
+  for (; k > 0 && i < vocab; ++i) offer(i);
   for (int64_t j = 0; j < held; ++j) top_logprobs[j] = static_cast<float>(top_logprobs[j] - log_z);
 }
 
