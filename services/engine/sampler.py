@@ -36,6 +36,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)  # requests without a seed
         self.request_generators: dict[str, torch.Generator] = {}
+        self._masked = torch.empty(0, device=device)  # the masked steps' copy of their logits, kept (`_copy`)
         if self.device.type == "cpu":
             sampling.is_available()  # built now, not at the first sampled request
 
@@ -69,9 +70,10 @@ class Sampler:
         if masks is None:
             tokens = self._draw_edited_in_place(logits, requests)
         else:  # the masks write whole rows: on a copy (the caller's logits stay as they came)
-            processed = self.process_logits(logits, requests)
-            if processed is logits:
-                processed = logits.clone()
+            processed = self._copy(logits)
+            edits = LogitEdits.of(requests, logits.dtype, self.device)
+            if edits is not None:
+                edits.apply(processed)
             masks.apply(processed, requests, unprocessed=logits)
             tokens = self._draw(processed, requests)
         token_list = tokens.tolist()
@@ -88,6 +90,14 @@ class Sampler:
         logits = logits.clone()
         edits.apply(logits)
         return logits
+
+    def _copy(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` in a buffer the sampler keeps across steps: a new one past 32 MB (64 rows of
+        a 152k vocabulary are 39 MB) is a fresh mapping whose pages fault in every step (8.9 ms to write,
+        against 0.7 ms for a kept one)."""
+        if self._masked.numel() < logits.numel() or self._masked.dtype != logits.dtype:
+            self._masked = torch.empty(logits.numel(), dtype=logits.dtype, device=logits.device)
+        return self._masked[:logits.numel()].view(logits.shape).copy_(logits)
 
     def _draw_edited_in_place(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The draw from ``logits`` with the penalties, logit bias and min_tokens mask applied to them in

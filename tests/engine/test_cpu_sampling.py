@@ -3,8 +3,9 @@ token from the same uniform (but where a uniform lands within rounding of a boun
 min_p, top_k and top_p; the same frequencies; never a token of weight 0 or one the filters drop (checked
 against a float64 reference that sorts the vocabulary, also where the run a filter keeps ends among
 thousands of nearly equal or exactly equal weights); the argmax for a row without mass; the same draw for
-a row alone or in any batch; the engine's sampler taking it for every sampled row on the CPU; and the
-native logprobs (log-probability, rank, top alternatives) against a float64 log_softmax."""
+a row alone or in any batch; the engine's sampler taking it for every sampled row on the CPU; the
+native logprobs (log-probability, rank, top alternatives) against a float64 log_softmax; and the
+structured-output bitmask applied to its rows."""
 
 import pytest
 import torch
@@ -241,3 +242,37 @@ def test_the_sampler_takes_it_for_every_sampled_row(monkeypatch):
     tokens = sampler(logits[:1], filtered)[0]
     assert len(calls) == 4 and calls[-1][3:] == ([5], [0.9], [0.1])
     assert tokens[0] in logits[0].topk(5).indices.tolist()
+
+
+def bitmask_of(allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` bool ``[n, 32 w]`` as llguidance's int32 words: bit j of word w, token 32 w + j."""
+    words = (allowed.reshape(allowed.shape[0], -1, 32).to(torch.int64) << torch.arange(32)).sum(dim=-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the same 32 bits
+
+
+def test_the_bitmask_masks_its_rows_and_an_emptied_row_takes_the_unprocessed_one():
+    generator = torch.Generator().manual_seed(11)
+    vocab, words = 1000, 32  # 1,024 bits: the last 24 past the vocabulary
+    unprocessed = torch.randn(6, vocab, generator=generator)
+    logits = unprocessed.clone()
+    logits[2, ::2] = float("-inf")  # a penalty took these away...
+    allowed = torch.rand(4, 32 * words, generator=generator) < 0.3
+    allowed[0] = False
+    allowed[0, 0:vocab:2] = True  # ...and mask row 0 allows only those: row 2 takes its unprocessed logits
+    logits[5, 7] = float("nan")
+    allowed[2, 7] = True  # an allowed NaN is not an emptied row
+    logit_rows, mask_rows = [0, 2, 3, 5], [3, 0, 1, 2]
+    expected = logits.clone()
+    for row, mask_row in zip(logit_rows, mask_rows):
+        keep = allowed[mask_row, :vocab]
+        masked = expected[row].masked_fill(~keep, float("-inf"))
+        if torch.isneginf(masked).all():
+            masked = unprocessed[row].masked_fill(~keep, float("-inf"))
+        expected[row] = masked
+    sampling.apply_bitmask(logits, logit_rows, bitmask_of(allowed), mask_rows, unprocessed)
+    torch.testing.assert_close(logits, expected, equal_nan=True, rtol=0, atol=0)
+    assert torch.isfinite(logits[2, 0:vocab:2]).all() and torch.isneginf(logits[2, 1::2]).all()
+    short = torch.zeros(1, 31, dtype=torch.int32) - 1  # every bit set, but 992 tokens only
+    row = torch.randn(1, vocab, generator=generator)
+    sampling.apply_bitmask(row, [0], short, [0], row.clone())
+    assert torch.isfinite(row[0, :992]).all() and torch.isneginf(row[0, 992:]).all()

@@ -398,9 +398,50 @@ void row_logprobs(const float* x, int64_t vocab, int64_t token, int64_t k, std::
   for (int64_t j = 0; j < held; ++j) top_logprobs[j] = static_cast<float>(top_logprobs[j] - log_z);
 }
 
+// Sets the logits of the tokens that bitmask row `bits` disallows to -inf (bit j of word w: token 32 w + j
+// allowed; a token past the words is not); returns whether an allowed logit is left above -inf (a NaN
+// counts, as for torch.isneginf).
+bool mask_row(float* x, int64_t vocab, const uint32_t* bits, int64_t words) {
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  const int64_t covered = std::min(vocab, words * 32);
+  bool left = false;
+  int64_t i = 0;
+#ifdef STRATA_AVX512
+  const __m512 masked = _mm512_set1_ps(kMasked);
+  for (; i + 16 <= covered; i += 16) {
+    const __mmask16 allowed = static_cast<__mmask16>(bits[i / 32] >> (i % 32));
+    _mm512_mask_storeu_ps(x + i, static_cast<__mmask16>(~allowed), masked);
+    left = left || _mm512_mask_cmp_ps_mask(allowed, _mm512_loadu_ps(x + i), masked, _CMP_NEQ_UQ) != 0;
+  }
+#endif
+  for (; i < covered; ++i) {
+    if ((bits[i / 32] >> (i % 32)) & 1u) left = left || !(x[i] == kMasked);
+    else x[i] = kMasked;
+  }
+  for (; i < vocab; ++i) x[i] = kMasked;
+  return left;
+}
+
 }  // namespace
 
 extern "C" {
+
+// The structured-output masks of a step: for each pair p, logits row `logit_rows[p]` masked by bitmask row
+// `mask_rows[p]` (`words` uint32 per row); a row left with no logit above -inf (the constraint allows only
+// what a penalty or min_tokens took away) takes its `unprocessed` row, masked: the constraint wins.
+void strata_apply_bitmask(float* logits, const float* unprocessed, int64_t vocab, int64_t stride,
+                          int64_t unprocessed_stride, const uint32_t* bitmask, int64_t words, const int64_t* logit_rows,
+                          const int64_t* mask_rows, int64_t pairs) {
+#pragma omp parallel for schedule(static) if (pairs > 1 && pairs * vocab >= (1LL << 20))
+  for (int64_t p = 0; p < pairs; ++p) {
+    float* row = logits + logit_rows[p] * stride;
+    const uint32_t* bits = bitmask + mask_rows[p] * words;
+    if (!mask_row(row, vocab, bits, words)) {
+      std::memcpy(row, unprocessed + logit_rows[p] * unprocessed_stride, vocab * sizeof(float));
+      mask_row(row, vocab, bits, words);
+    }
+  }
+}
 
 // logits: [rows, vocab] float32, row stride `stride`; per row a temperature (> 0), top_k (0: off), top_p
 // (in (0, 1]; 1: off), min_p (in [0, 1]; 0: off) and a uniform in [0, 1); out: [rows] token ids. A null

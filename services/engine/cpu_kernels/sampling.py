@@ -39,6 +39,10 @@ def _kernel():
     return _function("strata_sample", _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr)
 
 
+def _bitmask_kernel():
+    return _function("strata_apply_bitmask", _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64)
+
+
 def _argmax_kernel():
     return _function("strata_argmax", _ptr, _i64, _i64, _i64, _ptr)
 
@@ -99,6 +103,25 @@ def _column(values: Sequence | None, off, typecode: str) -> array.array | None:
 
 def _address(values: array.array) -> int:
     return values.buffer_info()[0]
+
+
+def apply_bitmask(logits: torch.Tensor, logit_rows: Sequence[int], bitmask: torch.Tensor, mask_rows: Sequence[int],
+                  unprocessed: torch.Tensor) -> None:
+    """Sets ``logits[logit_rows[p]]``'s disallowed tokens to -inf in place, by bitmask row ``mask_rows[p]``
+    (``bitmask`` int32 ``[n, words]``, bit j of word w: token 32 w + j allowed; tokens past its words are
+    not); a row left with no logit above -inf takes its row of ``unprocessed``, masked. ``logits`` and
+    ``unprocessed``: see ``can_run``, the same shape."""
+    if logits.shape != unprocessed.shape or bitmask.dtype != torch.int32 or not bitmask.is_contiguous() \
+            or len(logit_rows) != len(mask_rows):
+        raise ValueError(f"apply_bitmask: logits {tuple(logits.shape)}, unprocessed {tuple(unprocessed.shape)}, "
+                         f"bitmask {bitmask.dtype} contiguous={bitmask.is_contiguous()}, "
+                         f"{len(logit_rows)} logit rows and {len(mask_rows)} mask rows")
+    if not logit_rows:
+        return
+    logit_index, mask_index = array.array("q", logit_rows), array.array("q", mask_rows)
+    _bitmask_kernel()(logits.data_ptr(), unprocessed.data_ptr(), logits.shape[1], logits.stride(0),
+                      unprocessed.stride(0), bitmask.data_ptr(), bitmask.shape[1], _address(logit_index),
+                      _address(mask_index), len(logit_rows))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
