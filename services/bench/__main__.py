@@ -13,6 +13,7 @@ TOOLS = {
     "structured": ("services.bench.structured", "JSON-schema-constrained streams against unconstrained ones"),
     "compare": ("services.bench.compare", "two result files side by side, with ratios"),
     "kernels": ("services.bench.kernels", "the Triton attention kernels against torch's, on a GPU"),
+    "sampler": ("services.bench.sampler", "the engine's CPU sampler against torch operators"),
     "llamacpp": ("services.bench.llamacpp", "build, convert for and start llama.cpp's server (the baseline)"),
 }
 
