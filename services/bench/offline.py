@@ -3,7 +3,9 @@ same requests, same run, so the ratios are the claim.
 
 Workload: `--num-prompts` requests with prompt lengths uniform in `--input-len` (lo,hi) and output
 lengths uniform in `--output-len` (lo,hi), random token ids, every request runs to its length
-(EOS ignored). Baselines:
+(EOS ignored), greedy unless `--sampling` names how they sample (a JSON object of temperature, top_p,
+top_k, min_p and repetition_penalty, the keys of a checkpoint's generation_config.json; HF `generate`
+samples the same way). Baselines:
   hf-batch1  HF `generate` one request at a time (on the first `--hf-batch1-prompts` requests,
              as tok/s, which does not depend on how many are run);
   hf-static  HF `generate` on all requests as one left-padded static batch that runs until the
@@ -20,6 +22,7 @@ runs without them.
 """
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -31,6 +34,7 @@ from services.bench.decode_floors import format_decode_floors, run_decode_floors
 from services.bench.floor import measure_read_bandwidth, run_floor
 
 BASELINES = ("hf-batch1", "hf-static", "floor")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # HF generate's names too
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-batch1-prompts", type=int, default=6,
                         help="requests the batch-1 baseline runs (default: %(default)s)")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the workload (default: %(default)s)")
+    parser.add_argument("--sampling", type=parse_sampling, default={"temperature": 0.0},
+                        help="how the requests sample, a JSON object of %s, e.g. Qwen2.5 Instruct's '{\"temperature\": "
+                             "0.7, \"top_p\": 0.8, \"top_k\": 20, \"repetition_penalty\": 1.05}' (default: greedy)"
+                             % ", ".join(SAMPLING_KEYS))
     parser.add_argument("--step-dtypes", default="float32,bfloat16",
                         help="batch-1 decode step section: comma list of dtypes, or none (default: %(default)s)")
     parser.add_argument("--step-context", type=int, default=256,
@@ -69,6 +77,23 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def parse_sampling(text: str) -> dict[str, float]:
+    """--sampling: a JSON object of SAMPLING_KEYS, checked as a request's would be."""
+    from services.engine.sampling_params import SamplingParams
+
+    try:
+        sampling = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(sampling, dict) or set(sampling) - set(SAMPLING_KEYS):
+        raise argparse.ArgumentTypeError(f"a JSON object of {', '.join(SAMPLING_KEYS)}, got {text!r}")
+    try:
+        SamplingParams(**sampling)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return sampling
+
+
 def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
                   seed: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
@@ -76,14 +101,14 @@ def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tupl
     return prompts, [rng.randint(*output_len) for _ in range(num_prompts)]
 
 
-def run_strata(config, prompts, output_lens) -> dict[str, float]:
+def run_strata(config, prompts, output_lens, sampling: dict[str, float]) -> dict[str, float]:
     from services.engine.llm import LLM
     from services.engine.sampling_params import SamplingParams
 
     llm = LLM(config)
     llm.core.warmup()  # as a server starts: the compiled (CPU) or captured (CUDA) graphs, unless --enforce-eager
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, not counted
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    params = [SamplingParams(**sampling, max_tokens=n, ignore_eos=True) for n in output_lens]
     started = time.perf_counter()
     completions = llm.generate(prompts, params)
     seconds = time.perf_counter() - started
@@ -104,22 +129,29 @@ def _hf_model(model_dir: str, dtype: str, device: str):
     return model
 
 
-def run_hf_batch1(model, prompts, output_lens) -> dict[str, float]:
+def hf_sampling(sampling: dict[str, float]) -> dict:
+    """``generate``'s arguments for the same sampling (temperature 1 where it is not named, as ours)."""
+    if sampling.get("temperature", 1.0) == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": 1.0, **sampling}
+
+
+def run_hf_batch1(model, prompts, output_lens, sampling: dict[str, float]) -> dict[str, float]:
     import torch
 
     num_out, started = 0, time.perf_counter()
     with torch.inference_mode():
         for prompt, n in zip(prompts, output_lens):
             ids = torch.tensor([prompt], device=model.device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                 pad_token_id=0)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, pad_token_id=0,
+                                 **hf_sampling(sampling))
             num_out += out.shape[1] - len(prompt)
     seconds = time.perf_counter() - started
     return {"duration_s": seconds, "completed": len(prompts), "total_output_tokens": num_out,
             "output_throughput": num_out / seconds}
 
 
-def run_hf_static(model, prompts, output_lens) -> dict[str, float]:
+def run_hf_static(model, prompts, output_lens, sampling: dict[str, float]) -> dict[str, float]:
     import torch
 
     width = max(map(len, prompts))
@@ -131,7 +163,7 @@ def run_hf_static(model, prompts, output_lens) -> dict[str, float]:
     ids, mask = ids.to(model.device), mask.to(model.device)
     started = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(output_lens), pad_token_id=0)
+        model.generate(ids, attention_mask=mask, max_new_tokens=max(output_lens), pad_token_id=0, **hf_sampling(sampling))
     seconds = time.perf_counter() - started
     useful = sum(output_lens)  # tokens past a request's own length are waste, not output
     return {"duration_s": seconds, "completed": len(prompts), "total_output_tokens": useful,
@@ -175,19 +207,19 @@ def main(argv: list[str] | None = None) -> int:
         model_config = load_model_config(config.model)
         prompts, output_lens = make_workload(args.num_prompts, _range(args.input_len), _range(args.output_len),
                                              model_config.vocab_size, args.workload_seed)
-        runs = [RunResult("strata", params={"max_num_seqs": config.max_num_seqs},
-                          metrics=run_strata(config, prompts, output_lens))]
+        runs = [RunResult("strata", params={"max_num_seqs": config.max_num_seqs, "sampling": args.sampling},
+                          metrics=run_strata(config, prompts, output_lens, args.sampling))]
         _print_progress(runs[-1])
         if {"hf-batch1", "hf-static"} & set(baselines):
             model = _hf_model(config.model, config.dtype, config.device)
             if "hf-batch1" in baselines:
                 k = min(args.hf_batch1_prompts, len(prompts))
-                runs.append(RunResult("hf-batch1", params={"num_prompts": k},
-                                      metrics=run_hf_batch1(model, prompts[:k], output_lens[:k])))
+                runs.append(RunResult("hf-batch1", params={"num_prompts": k, "sampling": args.sampling},
+                                      metrics=run_hf_batch1(model, prompts[:k], output_lens[:k], args.sampling)))
                 _print_progress(runs[-1])
             if "hf-static" in baselines:
-                runs.append(RunResult("hf-static", params={"batch_size": len(prompts)},
-                                      metrics=run_hf_static(model, prompts, output_lens)))
+                runs.append(RunResult("hf-static", params={"batch_size": len(prompts), "sampling": args.sampling},
+                                      metrics=run_hf_static(model, prompts, output_lens, args.sampling)))
                 _print_progress(runs[-1])
         read_bytes_per_s = measure_read_bandwidth(device=device) if "floor" in baselines or step_dtypes else 0.0
         if "floor" in baselines:

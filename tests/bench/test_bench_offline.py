@@ -60,3 +60,26 @@ def test_step_dtypes_parse_and_none_or_nothing_skips_the_section(value, names):
 def test_an_unknown_step_dtype_is_refused_before_the_workload_runs(tmp_path):
     with pytest.raises(SystemExit, match=r"--step-dtypes: unknown dtype\(s\) \['fp16'\]"):
         offline.main(["--model", str(tmp_path / "never-read"), "--step-dtypes", "float32,fp16"])
+
+
+@pytest.mark.slow  # runs the offline bench on a model
+def test_sampling_names_how_both_the_engine_and_hf_sample(tmp_path, capsys):
+    sampling = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    argv = ["--shape", "tiny", "--num-prompts", "3", "--input-len", "8,16", "--output-len", "4,6", "--baselines",
+            "hf-static", "--step-dtypes", "none", "--sampling", json.dumps(sampling), "--save-result",
+            "--result-dir", str(tmp_path), "--result-filename", "sampled.json"]
+    assert offline.main(argv) == 0
+    runs = {run.label: run for run in load_result(tmp_path / "sampled.json").runs}
+    assert runs["strata"].params["sampling"] == sampling == runs["hf-static"].params["sampling"]
+    assert runs["strata"].metrics["total_output_tokens"] == runs["hf-static"].metrics["total_output_tokens"]
+    assert offline.hf_sampling(sampling) == {"do_sample": True, **sampling}
+    assert offline.hf_sampling({"top_k": 5}) == {"do_sample": True, "temperature": 1.0, "top_k": 5}
+    assert offline.hf_sampling({"temperature": 0.0}) == {"do_sample": False}
+
+
+@pytest.mark.parametrize("text, problem", [("{", "not JSON"), ('{"seed": 1}', "a JSON object of"),
+                                           ("[0.5]", "a JSON object of"), ('{"temperature": -1}', "temperature")])
+def test_a_sampling_that_requests_could_not_carry_is_refused(text, problem, capsys):
+    with pytest.raises(SystemExit):
+        offline.build_parser().parse_args(["--sampling", text])
+    assert problem in capsys.readouterr().err
