@@ -4,13 +4,13 @@ that many outputs; repetition_penalty divides a positive logit (multiplies a neg
 token seen in the prompt or output; frequency_penalty subtracts once per occurrence in the output,
 presence_penalty once per token that occurred there; logit_bias adds.
 
-They touch only the logits of some tokens per row (the occurrences, the banned ids, the biased ids),
-never a row's whole vocabulary (64 rows of 32,000 tokens: 15-20 ms for a repetition penalty that way):
-`LogitEdits.positions` are those logits, so the sampler can edit the step's logits in place and put
-those values back after its draw, instead of copying the batch (64 rows of a 152k vocabulary: 39 MB).
+They touch only the logits of some tokens per row (the distinct tokens seen, `seen_tokens.py`; the
+banned ids, the biased ids), never a row's whole vocabulary (64 rows of 32,000 tokens: 15-20 ms for a
+repetition penalty that way): `LogitEdits.positions` are those logits, so the sampler can edit the
+step's logits in place and put those values back after its draw, instead of copying the batch (64
+rows of a 152k vocabulary: 39 MB).
 """
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,15 +19,17 @@ import torch
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 
-Pairs = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), one entry per occurrence
+Pairs = tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), one entry per distinct token of a row
+_NONE, _NO_COUNTS = np.empty(0, np.int64), np.empty(0, np.float32)
 
 
 @dataclass(frozen=True)
 class LogitEdits:
     params: list[SamplingParams]
     banned: dict[int, list[int]]  # row -> the token ids min_tokens forbids for now
-    seen_anywhere: Pairs | None  # the tokens of each row's prompt and output (repetition_penalty)
-    seen_in_output: Pairs | None  # the tokens of each row's output (frequency and presence penalties)
+    seen_anywhere: Pairs | None  # the distinct tokens of each row's prompt and output (repetition_penalty)
+    seen_in_output: Pairs | None  # the distinct tokens of each row's output (frequency and presence penalties)
+    output_counts: torch.Tensor | None  # how often each of seen_in_output occurred (frequency_penalty)
     biased: list[tuple[int, torch.Tensor, torch.Tensor]]  # (row, token ids, bias)
     device: torch.device
 
@@ -39,15 +41,19 @@ class LogitEdits:
         if not banned and not any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
                                   or p.logit_bias for p in params):
             return None
-        seen_anywhere = seen_in_output = None
+        seen_anywhere = seen_in_output = output_counts = None  # (a row without the penalty: no tokens)
         if any(p.repetition_penalty != 1.0 for p in params):
-            seen_anywhere = _occurrences(requests, include_prompt=True, device=device)
+            seen = [r.seen() if p.repetition_penalty != 1.0 else None for r, p in zip(requests, params)]
+            seen_anywhere = _pairs([s.anywhere[:s.num_anywhere] if s else _NONE for s in seen], device)
         if any(p.frequency_penalty or p.presence_penalty for p in params):
-            seen_in_output = _occurrences(requests, include_prompt=False, device=device)
+            seen = [r.seen() if p.frequency_penalty or p.presence_penalty else None for r, p in zip(requests, params)]
+            seen_in_output = _pairs([s.output_ids[:s.num_output] if s else _NONE for s in seen], device)
+            output_counts = torch.from_numpy(np.concatenate(
+                [s.output_counts[:s.num_output] if s else _NO_COUNTS for s in seen])).to(device)
         biased = [(row, torch.tensor(list(p.logit_bias.keys()), device=device),
                    torch.tensor(list(p.logit_bias.values()), dtype=dtype, device=device))
                   for row, p in enumerate(params) if p.logit_bias]
-        return cls(params, banned, seen_anywhere, seen_in_output, biased, device)
+        return cls(params, banned, seen_anywhere, seen_in_output, output_counts, biased, device)
 
     def positions(self) -> Pairs:
         """Every (row, token id) whose logit `apply` writes, repeats included."""
@@ -58,9 +64,7 @@ class LogitEdits:
         return torch.cat([rows for rows, _ in pairs]), torch.cat([ids for _, ids in pairs])
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Edits ``logits`` ``[rows, vocab]`` in place. A token that occurred n times is n entries of
-        (row, token id): writing the same value n times changes it once (repetition, presence); adding
-        n times adds n times (frequency)."""
+        """Edits ``logits`` ``[rows, vocab]`` in place."""
         params = self.params
         for row, token_ids in self.banned.items():
             logits[row, token_ids] = float("-inf")
@@ -71,12 +75,9 @@ class LogitEdits:
             logits[rows, token_ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
         if self.seen_in_output is not None:
             rows, token_ids = self.seen_in_output
-            if any(p.frequency_penalty for p in params):
-                frequency = self._values([p.frequency_penalty for p in params])[rows]
-                logits.index_put_((rows, token_ids), -frequency, accumulate=True)
-            if any(p.presence_penalty for p in params):
-                presence = self._values([p.presence_penalty for p in params])[rows]
-                logits[rows, token_ids] = logits[rows, token_ids] - presence
+            frequency = self._values([p.frequency_penalty for p in params])[rows] * self.output_counts
+            presence = self._values([p.presence_penalty for p in params])[rows]
+            logits[rows, token_ids] = logits[rows, token_ids] - frequency - presence
         for row, ids, bias in self.biased:
             logits[row].index_add_(0, ids, bias)
 
@@ -84,13 +85,10 @@ class LogitEdits:
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
 
-def _occurrences(requests: list[Request], include_prompt: bool, device: torch.device) -> Pairs:
-    """The rows' output tokens (and prompt tokens when asked) as (row, token id) pairs, one per occurrence."""
-    token_lists = [r.all_token_ids if include_prompt else r.output_token_ids for r in requests]
-    lengths = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
-    token_ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, int(lengths.sum()))
-    rows = np.repeat(np.arange(len(token_lists), dtype=np.int64), lengths)
-    return torch.from_numpy(rows).to(device), torch.from_numpy(token_ids).to(device)
+def _pairs(token_ids: list[np.ndarray], device: torch.device) -> Pairs:
+    """Each row's token ids as (row, token id) pairs."""
+    rows = np.repeat(np.arange(len(token_ids), dtype=np.int64), [len(ids) for ids in token_ids])
+    return torch.from_numpy(rows).to(device), torch.from_numpy(np.concatenate(token_ids)).to(device)
 
 
 def stop_tokens_before_min(requests: list[Request]) -> dict[int, list[int]]:

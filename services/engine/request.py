@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.engine.sampling_params import SamplingParams
+from services.engine.seen_tokens import SeenTokens
 
 
 class RequestStatus(enum.Enum):
@@ -118,6 +119,9 @@ class Request:
         # the request takes nothing from the prefix cache (a cached position has no logits).
         self.prompt_logprobs: list | None = (
             [None] * (len(self.prompt_token_ids) - 1) if sampling_params.prompt_logprobs is not None else None)
+        # The distinct tokens seen so far, for the penalties (`seen_tokens.py`): made at the first step that
+        # samples the request with one, then kept up to date with each output token.
+        self.seen_tokens: SeenTokens | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -134,6 +138,14 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.seen_tokens is not None:
+            self.seen_tokens.add_output(token_id)
+
+    def seen(self) -> SeenTokens:
+        """The distinct tokens of the prompt and output so far (made at the first call)."""
+        if self.seen_tokens is None:
+            self.seen_tokens = SeenTokens(self.prompt_token_ids, self.output_token_ids)
+        return self.seen_tokens
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
