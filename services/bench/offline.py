@@ -130,10 +130,11 @@ def _hf_model(model_dir: str, dtype: str, device: str):
 
 
 def hf_sampling(sampling: dict[str, float]) -> dict:
-    """``generate``'s arguments for the same sampling (temperature 1 where it is not named, as ours)."""
+    """``generate``'s arguments for the same sampling: what it does not name is off, as in ours (HF's own
+    default generation config would add top_k 50)."""
     if sampling.get("temperature", 1.0) == 0:
         return {"do_sample": False}
-    return {"do_sample": True, "temperature": 1.0, **sampling}
+    return {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **sampling}
 
 
 def run_hf_batch1(model, prompts, output_lens, sampling: dict[str, float]) -> dict[str, float]:

@@ -73,7 +73,8 @@ def test_sampling_names_how_both_the_engine_and_hf_sample(tmp_path, capsys):
     assert runs["strata"].params["sampling"] == sampling == runs["hf-static"].params["sampling"]
     assert runs["strata"].metrics["total_output_tokens"] == runs["hf-static"].metrics["total_output_tokens"]
     assert offline.hf_sampling(sampling) == {"do_sample": True, **sampling}
-    assert offline.hf_sampling({"top_k": 5}) == {"do_sample": True, "temperature": 1.0, "top_k": 5}
+    assert offline.hf_sampling({"top_k": 5}) == {"do_sample": True, "temperature": 1.0, "top_k": 5, "top_p": 1.0,
+                                                 "repetition_penalty": 1.0}
     assert offline.hf_sampling({"temperature": 0.0}) == {"do_sample": False}
 
 
