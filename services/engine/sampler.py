@@ -92,9 +92,8 @@ class Sampler:
         return logits
 
     def _copy(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of ``logits`` in a buffer the sampler keeps across steps: a new one past 32 MB (64 rows of
-        a 152k vocabulary are 39 MB) is a fresh mapping whose pages fault in every step (8.9 ms to write,
-        against 0.7 ms for a kept one)."""
+        """A copy of ``logits`` in a buffer the sampler keeps across steps, as the native step keeps the
+        logits themselves (`DecodeStep`: a new one past 32 MB faults its pages in every step)."""
         if self._masked.numel() < logits.numel() or self._masked.dtype != logits.dtype:
             self._masked = torch.empty(logits.numel(), dtype=logits.dtype, device=logits.device)
         return self._masked[:logits.numel()].view(logits.shape).copy_(logits)
