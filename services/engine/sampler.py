@@ -108,7 +108,9 @@ class Sampler:
         if edits is None:
             return self._draw(logits, requests)
         if not logits.is_contiguous():  # (a view whose rows may share memory, such as an expanded row)
-            return self._draw(self.process_logits(logits, requests), requests)
+            processed = logits.clone()
+            edits.apply(processed)
+            return self._draw(processed, requests)
         rows, token_ids = edits.positions()
         originals = logits[rows, token_ids]
         try:

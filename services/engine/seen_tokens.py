@@ -35,8 +35,7 @@ class SeenTokens:
         if slot is None:
             slot = self._output_slot[token_id] = self.num_output
             if slot == len(self.output_ids):
-                self.output_ids = np.resize(self.output_ids, 2 * slot)
-                self.output_counts = np.concatenate([self.output_counts, np.zeros(slot, np.float32)])
+                self.output_ids, self.output_counts = _doubled(self.output_ids), _doubled(self.output_counts)
             self.output_ids[slot] = token_id
             self.num_output += 1
         self.output_counts[slot] += 1
@@ -46,6 +45,11 @@ class SeenTokens:
             return
         self._anywhere.add(token_id)
         if self.num_anywhere == len(self.anywhere):
-            self.anywhere = np.resize(self.anywhere, 2 * self.num_anywhere)
+            self.anywhere = _doubled(self.anywhere)
         self.anywhere[self.num_anywhere] = token_id
         self.num_anywhere += 1
+
+
+def _doubled(array: np.ndarray) -> np.ndarray:
+    """``array`` followed by as many zeros: room to grow into."""
+    return np.concatenate([array, np.zeros_like(array)])
