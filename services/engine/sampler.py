@@ -81,14 +81,14 @@ class Sampler:
             return token_list, [None] * len(requests)
         return token_list, self._logprobs(logits, tokens, params)  # of the raw distribution
 
-    def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, requests: list[Request], native: bool = True) -> torch.Tensor:
         """Penalties, logit bias and the min_tokens mask (`logit_edits`), in a new tensor; ``logits``
-        itself when none of them applies."""
+        itself when none of them applies. ``native``: the penalties in the native pass where it runs."""
         edits = LogitEdits.of(requests, logits.dtype, self.device)
         if edits is None:
             return logits
         logits = logits.clone()
-        edits.apply(logits)
+        edits.apply(logits, native)
         return logits
 
     def _copy(self, logits: torch.Tensor) -> torch.Tensor:
@@ -111,13 +111,8 @@ class Sampler:
             processed = logits.clone()
             edits.apply(processed)
             return self._draw(processed, requests)
-        rows, token_ids = edits.positions()
-        originals = logits[rows, token_ids]
-        try:
-            edits.apply(logits)
+        with edits.applied(logits):
             return self._draw(logits, requests)
-        finally:
-            logits[rows, token_ids] = originals
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]

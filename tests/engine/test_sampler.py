@@ -170,6 +170,46 @@ def test_penalties_over_a_batch_match_their_definition_on_every_logit():
     torch.testing.assert_close(Sampler(vocab, torch.device("cpu")).process_logits(logits, requests), expected)
 
 
+def test_the_native_penalty_pass_writes_and_restores_the_torch_paths_exact_values():
+    """The CPU's native pass (`sampling.penalize`) and torch's gathers give the same bits, with
+    min_tokens and logit_bias on the same tokens, -inf, NaN and zero logits among the penalized ones, and
+    rows whose contexts grew their seen-token arrays; the caller's logits come back bit for bit."""
+    from services.engine.cpu_kernels import sampling
+    from services.engine.logit_edits import LogitEdits
+
+    if not sampling.is_available():
+        pytest.skip("no C++ compiler: no native pass")
+    generator = torch.Generator().manual_seed(1)
+    vocab, rows = 3000, 7
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    logits[0, :40] = float("-inf")
+    logits[1, :40] = float("nan")
+    logits[2, :40] = 0.0
+    requests = []
+    for i in range(rows):
+        prompt = torch.randint(0, vocab, (50 + 400 * i,), generator=generator).tolist()
+        output = torch.randint(0, 60, (30 * i,), generator=generator).tolist()  # repeats, some in the prompt
+        banning = dict(min_tokens=1000, max_tokens=2000, stop_token_ids=[5]) if i in (3, 4) else {}
+        requests.append(request(f"r{i}", prompt=prompt, output=output, repetition_penalty=[1.0, 1.3, 0.7][i % 3],
+                                frequency_penalty=[0.0, 0.4, -0.3][i % 3], presence_penalty=[0.5, 0.0, 1.1][(i + 1) % 3],
+                                logit_bias={5: 2.0, 17: -1.5} if i in (2, 4) else {}, **banning))
+    for request_ in requests:
+        request_.seen()  # made now: the new outputs below grow its arrays into new ones
+        for token in torch.randint(0, vocab, (300,), generator=generator).tolist():
+            request_.append_output(token)
+    edits = LogitEdits.of(requests, torch.float32, torch.device("cpu"))
+    native, with_torch = logits.clone(), logits.clone()
+    edits.apply(native)
+    edits.apply(with_torch, native=False)
+    assert torch.equal(native.isnan(), with_torch.isnan())
+    assert torch.equal(native.nan_to_num(), with_torch.nan_to_num())
+    assert not torch.equal(native.nan_to_num(), logits.nan_to_num())
+    edited = logits.clone()
+    with edits.applied(edited):
+        assert torch.equal(edited.nan_to_num(), native.nan_to_num())
+    assert torch.equal(edited.nan_to_num(), logits.nan_to_num()) and torch.equal(edited.isnan(), logits.isnan())
+
+
 @pytest.mark.parametrize("params, copies", [(dict(temperature=0.0), False), (dict(temperature=0.8, top_k=3), False),
                                             (dict(temperature=0.0, min_tokens=3), True),
                                             (dict(temperature=0.0, logit_bias={4: 9.0}), True),

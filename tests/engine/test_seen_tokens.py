@@ -30,6 +30,8 @@ def test_kept_up_to_date_as_the_request_grows():
     assert anywhere == list(dict.fromkeys(request.all_token_ids))  # distinct, in first-seen order
     assert counts == {t: float(request.output_token_ids.count(t)) for t in set(request.output_token_ids)}
     assert as_sets(SeenTokens(request.prompt_token_ids, request.output_token_ids)) == (anywhere, counts)
+    # the native penalty pass reads the arrays where these say they are
+    assert seen.addresses == (seen.anywhere.ctypes.data, seen.output_ids.ctypes.data, seen.output_counts.ctypes.data)
 
 
 def test_the_sampler_makes_them_only_for_a_request_with_a_penalty():

@@ -422,6 +422,49 @@ bool mask_row(float* x, int64_t vocab, const uint32_t* bits, int64_t words) {
   return left;
 }
 
+// One row's penalties (see strata_penalize), the values they replace into `saved`: the repetition
+// penalty on its `num_seen` distinct tokens, then the frequency and presence penalties on its `num_output`
+// distinct output tokens. As the torch path computes them (logit_edits.py), operation for operation:
+// v / p for a positive logit v, else v * p; (v - frequency x count) - presence. An id outside the
+// vocabulary is left alone. Lookups are scattered over the row: the one kPenaltyAhead ahead is prefetched.
+constexpr int64_t kPenaltyAhead = 16;
+
+void penalize_row(float* row, int64_t vocab, const int64_t* seen, int64_t num_seen, float repetition,
+                  const int64_t* output, const float* counts, int64_t num_output, float frequency, float presence,
+                  float* saved) {
+  for (int64_t j = 0; j < num_seen; ++j) {
+    if (j + kPenaltyAhead < num_seen)
+      __builtin_prefetch(row + std::clamp<int64_t>(seen[j + kPenaltyAhead], 0, vocab - 1), 1);
+    const int64_t id = seen[j];
+    if (id < 0 || id >= vocab) continue;
+    const float v = row[id];
+    saved[j] = v;
+    row[id] = v > 0.0f ? v / repetition : v * repetition;
+  }
+  saved += num_seen;
+  for (int64_t j = 0; j < num_output; ++j) {
+    if (j + kPenaltyAhead < num_output)
+      __builtin_prefetch(row + std::clamp<int64_t>(output[j + kPenaltyAhead], 0, vocab - 1), 1);
+    const int64_t id = output[j];
+    if (id < 0 || id >= vocab) continue;
+    const float v = row[id];
+    saved[j] = v;
+    float by_count = frequency * counts[j];
+    asm("" : "+m"(by_count));  // rounded to float32 before the subtraction, as torch does: not fused into an FMA
+    row[id] = (v - by_count) - presence;
+  }
+}
+
+// Puts back what penalize_row replaced, the output tokens' values first: an output token is also a seen
+// one, and the value saved before the repetition penalty is the one it had.
+void unpenalize_row(float* row, int64_t vocab, const int64_t* seen, int64_t num_seen, const int64_t* output,
+                    int64_t num_output, const float* saved) {
+  for (int64_t j = 0; j < num_output; ++j)
+    if (output[j] >= 0 && output[j] < vocab) row[output[j]] = saved[num_seen + j];
+  for (int64_t j = 0; j < num_seen; ++j)
+    if (seen[j] >= 0 && seen[j] < vocab) row[seen[j]] = saved[j];
+}
+
 }  // namespace
 
 extern "C" {
@@ -481,6 +524,30 @@ void strata_logprobs(const float* logits, int64_t rows, int64_t vocab, int64_t s
 void strata_argmax(const float* logits, int64_t rows, int64_t vocab, int64_t stride, int64_t* out) {
 #pragma omp parallel for schedule(static) if (rows > 1 && rows * vocab >= (1LL << 20))
   for (int64_t r = 0; r < rows; ++r) out[r] = argmax(logits + r * stride, vocab);
+}
+
+// The penalties of a step's rows, in place (logit_edits.py): row r's repetition penalty on its
+// `num_seen[r]` distinct seen tokens (int64 ids at address `seen_at[r]`), its frequency and presence
+// penalties on its `num_output[r]` distinct output tokens (ids at `output_at[r]`, their float32 counts at
+// `counts_at[r]`); a row without one has 0 tokens for it. `saved` receives the values replaced, row after
+// row (sum of num_seen + num_output floats). With `restore`, puts those values back instead.
+void strata_penalize(float* logits, int64_t rows, int64_t vocab, int64_t stride, const int64_t* seen_at,
+                     const int64_t* num_seen, const float* repetition, const int64_t* output_at,
+                     const int64_t* counts_at, const int64_t* num_output, const float* frequency,
+                     const float* presence, float* saved, int32_t restore) {
+  std::vector<int64_t> offset(rows + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) offset[r + 1] = offset[r] + num_seen[r] + num_output[r];
+#pragma omp parallel for schedule(dynamic, 1) if (rows > 1 && offset[rows] >= (1 << 14))
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto* seen = reinterpret_cast<const int64_t*>(seen_at[r]);
+    const auto* output = reinterpret_cast<const int64_t*>(output_at[r]);
+    if (restore)
+      unpenalize_row(logits + r * stride, vocab, seen, num_seen[r], output, num_output[r], saved + offset[r]);
+    else
+      penalize_row(logits + r * stride, vocab, seen, num_seen[r], repetition[r], output,
+                   reinterpret_cast<const float*>(counts_at[r]), num_output[r], frequency[r], presence[r],
+                   saved + offset[r]);
+  }
 }
 
 }  // extern "C"

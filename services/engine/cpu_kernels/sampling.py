@@ -22,6 +22,7 @@ import array
 import ctypes
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,10 @@ def _kernel():
 
 def _bitmask_kernel():
     return _function("strata_apply_bitmask", _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64)
+
+
+def _penalty_kernel():
+    return _function("strata_penalize", _ptr, _i64, _i64, _i64, *[_ptr] * 9, ctypes.c_int32)
 
 
 def _argmax_kernel():
@@ -122,6 +127,57 @@ def apply_bitmask(logits: torch.Tensor, logit_rows: Sequence[int], bitmask: torc
     _bitmask_kernel()(logits.data_ptr(), unprocessed.data_ptr(), logits.shape[1], logits.stride(0),
                       unprocessed.stride(0), bitmask.data_ptr(), bitmask.shape[1], _address(logit_index),
                       _address(mask_index), len(logit_rows))
+
+
+@dataclass(frozen=True)
+class PenaltyRows:
+    """A step's penalties for ``penalize``, one entry per row of its logits: the address of the row's
+    distinct seen token ids (int64) and how many (0: no repetition penalty), its repetition penalty; the
+    address of its distinct output token ids (int64) and of their counts (float32) and how many (0: no
+    frequency or presence penalty), its frequency and presence penalties. Arrays of C int64 (``"q"``)
+    and float32 (``"f"``); the token arrays must outlive the calls."""
+
+    seen_at: array.array
+    num_seen: array.array
+    repetition: array.array
+    output_at: array.array
+    counts_at: array.array
+    num_output: array.array
+    frequency: array.array
+    presence: array.array
+
+    @classmethod
+    def empty(cls) -> "PenaltyRows":
+        return cls(*(array.array(code) for code in "qqfqqqff"))
+
+    def __len__(self) -> int:
+        return len(self.seen_at)
+
+
+def penalize(logits: torch.Tensor, rows: PenaltyRows) -> torch.Tensor:
+    """Row i of ``logits`` (see ``can_run``; ``len(rows)`` rows) penalized in place by ``rows``' entry i:
+    the repetition penalty on its seen tokens (a positive logit divided by it, another multiplied), then
+    its output tokens' logits less frequency x count and presence, as ``logit_edits`` defines them. Token
+    ids outside the vocabulary are left alone. Returns the values replaced, for ``unpenalize``."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"penalize: {logits.shape[0]} rows of logits, {len(rows)} rows of penalties")
+    saved = torch.empty(sum(rows.num_seen) + sum(rows.num_output), dtype=torch.float32)
+    _penalty_call(logits, rows, saved, restore=False)
+    return saved
+
+
+def unpenalize(logits: torch.Tensor, rows: PenaltyRows, saved: torch.Tensor) -> None:
+    """Puts back the logits ``penalize(logits, rows)`` changed, from what it returned."""
+    _penalty_call(logits, rows, saved, restore=True)
+
+
+def _penalty_call(logits: torch.Tensor, rows: PenaltyRows, saved: torch.Tensor, restore: bool) -> None:
+    if len(rows):
+        _penalty_kernel()(logits.data_ptr(), len(rows), logits.shape[1], logits.stride(0),
+                          *(_address(column) for column in (rows.seen_at, rows.num_seen, rows.repetition,
+                                                            rows.output_at, rows.counts_at, rows.num_output,
+                                                            rows.frequency, rows.presence)),
+                          saved.data_ptr(), int(restore))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
