@@ -124,14 +124,15 @@ def run_in_process(llm, prompts, output_lens) -> Run:
 
 
 async def _stream_all(base_url: str, model: str, prompts, output_lens, concurrency: int,
-                      stack) -> tuple[Run, int, dict[str, float], float, float | None]:
-    """The requests streamed through the gateway, how many failed, the CPU seconds that each of
+                      stack) -> tuple[Run, dict[str, int], dict[str, float], float, float | None]:
+    """The requests streamed through the gateway, their errors (how many requests failed with each), the
+    CPU seconds that each of
     ``stack``'s processes and this one (the clients) spent while they streamed (not the warm-up's, nor
     the client session's setup, which a short run's per-token figure would carry), and the share of
     the cores' time that was idle meanwhile."""
     from services.bench.client import RequestSettings, open_session
     from services.bench.datasets import BenchRequest
-    from services.bench.runner import RunPlan, send_all
+    from services.bench.runner import RunPlan, error_counts, send_all
 
     settings = RequestSettings(url=base_url + "/v1/completions", model=model, chat=False, ignore_eos=True,
                                temperature=0.0)
@@ -146,7 +147,7 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens, concurren
     done = [o for o in outputs if o.success]
     tpots = [o.tpot for o in done if o.output_tokens > 1]
     return (Run(sum(o.output_tokens for o in done), seconds, statistics.median(tpots) if tpots else 0.0),
-            len(outputs) - len(done), {name: after[name] - before[name] for name in before.keys() & after.keys()},
+            error_counts(outputs), {name: after[name] - before[name] for name in before.keys() & after.keys()},
             client_cpu_s, idle)
 
 
@@ -265,7 +266,7 @@ class Pair:
     process spent in the stack run."""
     engine: Run
     stack: Run
-    failed: int
+    errors: dict[str, int]  # of the stack run's failed requests: how many failed with each
     stack_cpu_s: dict[str, float]
     engine_cpu_s: float  # this process's CPU seconds in the in-process run
     client_cpu_s: float  # this process's CPU seconds in the stack run: the clients
@@ -311,7 +312,7 @@ def _run(args) -> int:
         run = run_in_process(llm, prompts, output_lens)
         return run, time.process_time() - started_cpu, idle_share(cores_before, core_times())
 
-    def streamed(running, prompts, output_lens) -> tuple[Run, int, dict[str, float], float, float | None]:
+    def streamed(running, prompts, output_lens) -> tuple[Run, dict[str, int], dict[str, float], float, float | None]:
         gc.collect()
         return uvloop.run(_stream_all(running.base_url, "bench", prompts, output_lens, args.max_concurrency, running))
 
@@ -324,8 +325,8 @@ def _run(args) -> int:
     with running_stack(config, _engine_argv(config)) as running:
         for k, (prompts, output_lens) in enumerate(workloads):
             engine, engine_cpu_s, engine_idle = engine_runs[k] if phased else in_process(prompts, output_lens)
-            stack, failed, stack_cpu_s, client_cpu_s, stack_idle = streamed(running, prompts, output_lens)
-            pairs.append(Pair(engine, stack, failed, stack_cpu_s, engine_cpu_s, client_cpu_s, engine_idle, stack_idle))
+            stack, errors, stack_cpu_s, client_cpu_s, stack_idle = streamed(running, prompts, output_lens)
+            pairs.append(Pair(engine, stack, errors, stack_cpu_s, engine_cpu_s, client_cpu_s, engine_idle, stack_idle))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
     for k, pair in enumerate(pairs):
@@ -336,10 +337,13 @@ def _run(args) -> int:
     throughput = statistics.median(p.throughput_ratio for p in pairs)
     tpot = statistics.median(p.tpot_ratio for p in pairs)
     added_ms = statistics.median((p.stack.tpot - p.engine.tpot) * 1e3 for p in pairs)
-    failed = sum(p.failed for p in pairs)
+    failed = sum(sum(p.errors.values()) for p in pairs)
     label = f"median of {len(pairs)} pairs" if len(pairs) > 1 else "gateway / engine"
     print(f"{label}: {throughput:.2f}x tok/s, {tpot:.2f}x TPOT (+{added_ms:.2f} ms per token)"
           + (f"  ({failed} requests failed)" if failed else ""))
+    for k, pair in enumerate(pairs):
+        for error, count in pair.errors.items():
+            print(f"  failed in stack run #{k + 1}: {count} x {error}")
     def median_ms(cpu: str, run: str) -> float:
         return statistics.median(getattr(p, cpu) / max(getattr(p, run).tokens, 1) * 1e3 for p in pairs)
 

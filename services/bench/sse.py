@@ -4,7 +4,10 @@ How tokens are counted per chunk, best source first:
 1. `usage.completion_tokens` on a chunk that has choices (vLLM's `continuous_usage_stats`): the
    increase since the previous chunk is exact, so a chunk carrying k tokens counts k.
 2. `logprobs` on the chunk (`logprobs.tokens` for completions, `logprobs.content` for chat).
-3. Otherwise one token per chunk with non-empty text.
+3. Otherwise one token per chunk that shows one: with text, or with empty text before the finish (vLLM
+   sends a chunk per step even where its tokens show no text yet: a special token, half a UTF-8
+   character), or the finishing chunk of a stream that showed none before it (one EOS token). Chat's
+   role chunk shows none.
 The final usage-only chunk (`choices: []`, from `include_usage`) counts no tokens; its
 `completion_tokens` is the request's output length when present.
 
@@ -24,6 +27,8 @@ class Chunk:
 
     has_choices: bool = False
     text: str = ""
+    empty_token: bool = False  # a chunk of empty text that still carries a token (see the module's 3.)
+    finished: bool = False  # it has a finish_reason
     num_logprob_tokens: int | None = None
     usage: dict[str, Any] | None = None
     error: str | None = None
@@ -41,14 +46,18 @@ def parse_chunk(data: dict[str, Any]) -> Chunk:
         return chunk
     chunk.has_choices = True
     choice = choices[0]
+    chunk.finished = choice.get("finish_reason") is not None
     if "delta" in choice:  # chat
         delta = choice.get("delta") or {}
         chunk.text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        chunk.empty_token = not chunk.finished and "role" not in delta and (
+            "content" in delta or bool(delta.get("tool_calls")))
         logprobs = choice.get("logprobs") or {}
         if logprobs.get("content") is not None:
             chunk.num_logprob_tokens = len(logprobs["content"])
     else:  # completions
         chunk.text = choice.get("text") or ""
+        chunk.empty_token = not chunk.finished
         logprobs = choice.get("logprobs") or {}
         if logprobs.get("tokens") is not None:
             chunk.num_logprob_tokens = len(logprobs["tokens"])
@@ -107,7 +116,7 @@ class TokenTimeline:
             return num_tokens
         if chunk.num_logprob_tokens is not None:
             return chunk.num_logprob_tokens
-        return 1 if chunk.text else 0
+        return 1 if chunk.text or chunk.empty_token or (chunk.finished and self.ttft is None) else 0
 
     @property
     def output_tokens(self) -> int:

@@ -104,7 +104,11 @@ class ChatRenderer(ChoiceRenderer):
                 finish_reason = _with_tool_calls(finish_reason, stream.num_calls)
             if self._max_tool_calls is not None:
                 tool_calls = [call for call in tool_calls if call["index"] < self._max_tool_calls]
-        delta = {"content": text} if text or has_logprobs else {}
+        # A step's tokens get a chunk even where their text does not show yet (a special token, half a
+        # UTF-8 character, a possible stop string held back), as vLLM sends one; not while a parser holds
+        # the text back to read tool calls out of it.
+        shows_tokens = bool(step.token_ids) and self._tool_parser is None and self._reasoning is None
+        delta = {"content": text} if text or has_logprobs or shows_tokens else {}
         if tool_calls:
             delta["tool_calls"] = tool_calls
         return delta, finish_reason

@@ -64,8 +64,8 @@ class CompletionRenderer(ChoiceRenderer):
 
     def stream_choice(self, step: Step) -> dict | None:
         has_logprobs = self._with_logprobs and bool(step.logprobs)
-        if not step.text and step.finish_reason is None and not has_logprobs:
-            return None
+        if not step.text and not step.token_ids and step.finish_reason is None and not has_logprobs:
+            return None  # (a step with tokens whose text does not show yet still gets its chunk, as in vLLM)
         logprobs = None
         if has_logprobs:
             builder = self._streamed_logprobs.setdefault(

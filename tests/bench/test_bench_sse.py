@@ -56,15 +56,27 @@ def test_logprobs_count_tokens_per_chunk():
     assert tl.output_tokens == 4
 
 
-def test_without_token_counts_each_text_chunk_is_one_token_and_usage_sets_the_total():
+def test_without_token_counts_each_chunk_that_shows_a_token_is_one_and_usage_sets_the_total():
     tl = TokenTimeline(start=0.0)
     tl.on_data(completion("a"), 1.0)
-    tl.on_data(completion(""), 2.0)  # empty text: no token, no gap
+    tl.on_data(completion(""), 2.0)  # empty text before the finish: a token that shows nothing yet
     tl.on_data(completion("bc"), 3.0)
+    tl.on_data(json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}), 3.05)  # no token
     tl.on_data(usage_only(5), 3.1)
-    assert tl.itl == [2.0]
-    assert tl.num_counted == 2
+    assert tl.itl == [1.0, 1.0]
+    assert tl.num_counted == 3
     assert tl.output_tokens == 5  # the server's count wins
+
+
+def test_a_stream_whose_only_token_shows_no_text_is_timed_at_its_finishing_chunk():
+    for finishing in ({"index": 0, "text": "", "finish_reason": "stop"},
+                      {"index": 0, "delta": {}, "finish_reason": "stop"}):
+        tl = TokenTimeline(start=0.0)
+        role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        tl.on_data(json.dumps(role), 0.1)
+        tl.on_data(json.dumps({"choices": [finishing]}), 0.5)
+        tl.on_data(usage_only(1), 0.6)
+        assert tl.ttft == 0.5 and tl.output_tokens == 1
 
 
 def test_chat_role_chunk_is_not_the_first_token():

@@ -99,11 +99,17 @@ def test_error_after_the_stream_began_is_an_error_event_then_done():
     assert events[2:] == ["[DONE]"]
 
 
-def test_empty_steps_send_no_chunk():
+def test_a_step_whose_tokens_show_no_text_yet_still_gets_its_chunk():
+    """As vLLM streams: a chunk per step with tokens, its text "" where none shows yet (a special token,
+    half a UTF-8 character, a possible stop string), so a client times the first token when it comes
+    (vLLM's benchmark fails a stream without a chunk); a step without tokens sends nothing."""
     params = GenerationParams(stream=True)
-    steps = [Step(0, "", [1]), Step(0, "", [2]), Step(0, "x", [3], finish_reason="length")]
+    steps = [Step(0, "", []), Step(0, "", [1]), Step(0, "", [2]), Step(0, "x", [3], finish_reason="length")]
     events, _ = run_stream(CompletionRenderer(None, False, None, 1), params, steps, 1)
-    assert [e["choices"][0]["text"] for e in events[:-1]] == ["x"]
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["", "", "x"]
+    events, _ = run_stream(ChatRenderer(None, False), params, steps, 1)
+    assert [e["choices"][0]["delta"] for e in events[:-1]] == [
+        {"role": "assistant", "content": ""}, {"content": ""}, {"content": ""}, {"content": "x"}]
 
 
 @pytest.mark.slow  # imports the gateway in a new interpreter
