@@ -43,6 +43,16 @@ class CompletionRenderer(ChoiceRenderer):
     def _echo(self, index: int) -> str:
         return self._echo_texts[index // self._n] if self._echo_texts else ""
 
+    def _output_offset(self, index: int) -> int:
+        """Where the output's ``text_offset`` starts: after the echoed prompt's tokens, whose offsets count
+        their token strings as vLLM's do (a special token's string, the replacement characters of a token
+        that ends mid UTF-8 character), so every offset is the previous one plus its token's length."""
+        if self._num_echo_top is None:
+            return len(self._echo(index))
+        prompt = self._prompts[index // self._n]
+        texts = self._upstream.token_texts(set(prompt))
+        return sum(len(texts[token_id]) for token_id in prompt)
+
     def _format(self, builder: lp.CompletionLogprobs, entries: list) -> dict:
         texts = self._upstream.token_texts(lp.token_ids_of(entries))
         return builder.format(entries, texts)
@@ -69,7 +79,7 @@ class CompletionRenderer(ChoiceRenderer):
         logprobs = None
         if has_logprobs:
             builder = self._streamed_logprobs.setdefault(
-                step.index, lp.CompletionLogprobs(len(self._echo(step.index))))
+                step.index, lp.CompletionLogprobs(self._output_offset(step.index)))
             logprobs = self._format(builder, step.logprobs)
             if step.completion_tokens == len(step.token_ids):  # the choice's first step
                 logprobs = self._with_prompt(step.index, step.prompt_logprobs, logprobs)
@@ -84,7 +94,8 @@ class CompletionRenderer(ChoiceRenderer):
         logprobs = None
         if self._with_logprobs:
             logprobs = self._with_prompt(result.index, result.prompt_logprobs,
-                                         self._format(lp.CompletionLogprobs(len(echo)), result.logprobs))
+                                         self._format(lp.CompletionLogprobs(self._output_offset(result.index)),
+                                                      result.logprobs))
         choice = {"index": result.index, "text": echo + result.text, "logprobs": logprobs,
                   "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
         if self._num_prompt_logprobs is not None:

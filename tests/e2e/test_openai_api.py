@@ -134,6 +134,26 @@ def test_echo_puts_the_prompt_first(client):
     assert streamed == full.choices[0].text
 
 
+def test_echo_logprobs_text_offsets_run_on_past_the_prompt(client):
+    """Each text_offset is the one before plus its token's length, the output's after the echoed prompt's as in
+    vLLM, also where the prompt's token strings are longer than its text: a character split across tokens
+    shows as replacement characters in each. The output's offsets started at the prompt text's length and
+    went back over the prompt's last tokens."""
+    prompt = "Echo 😀 漢字"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0, temperature=0,
+                  extra_body={"ignore_eos": True})
+    lp = client.completions.create(**kwargs).choices[0].logprobs
+    assert len("".join(lp.tokens[:-3])) > len(prompt)  # the case: a token string holds a split character
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = {"tokens": [], "text_offset": []}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for part in chunk.choices:
+            if part.logprobs:
+                streamed["tokens"] += part.logprobs.tokens
+                streamed["text_offset"] += part.logprobs.text_offset
+    assert streamed == {"tokens": lp.tokens, "text_offset": lp.text_offset}
+
+
 def test_echo_with_logprobs_scores_the_prompt(client, http):
     """lm-evaluation-harness's log-likelihood request (echo, logprobs=1, max_tokens=1): the prompt's tokens
     with their logprobs, the first one's null, then the output's; the same numbers as vLLM's
