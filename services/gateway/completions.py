@@ -5,6 +5,7 @@ API gives them: what lm-evaluation-harness reads for log-likelihoods); vLLM's ``
 each choice's ``prompt_logprobs`` in vLLM's shape."""
 
 import asyncio
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -27,10 +28,12 @@ class CompletionRenderer(ChoiceRenderer):
 
     def __init__(self, upstream: Upstream, with_logprobs: bool, echo_texts: list[str] | None,
                  n: int, *, prompts: list[list[int]] | None = None, num_echo_top: int | None = None,
-                 num_prompt_logprobs: int | None = None) -> None:
+                 num_prompt_logprobs: int | None = None, echo_only: bool = False) -> None:
         """``prompts``: the prompts' ids (for the two below); ``num_echo_top``: the echoed prompt's tokens
         lead each choice's ``logprobs``, with this many alternatives (echo with logprobs);
-        ``num_prompt_logprobs``: each choice carries vLLM's ``prompt_logprobs`` with this many."""
+        ``num_prompt_logprobs``: each choice carries vLLM's ``prompt_logprobs`` with this many;
+        ``echo_only``: echo with max_tokens 0, each choice the prompt alone (the token generated is not shown)."""
+        self._echo_only = echo_only
         self._upstream = upstream
         self._with_logprobs = with_logprobs
         self._echo_texts = echo_texts
@@ -77,7 +80,11 @@ class CompletionRenderer(ChoiceRenderer):
         if not step.text and not step.token_ids and step.finish_reason is None and not has_logprobs:
             return None  # (a step with tokens whose text does not show yet still gets its chunk, as in vLLM)
         logprobs = None
-        if has_logprobs:
+        if self._echo_only:
+            if has_logprobs and step.completion_tokens == len(step.token_ids):
+                logprobs = self._with_prompt(step.index, step.prompt_logprobs, None)
+            step = replace(step, text="")
+        elif has_logprobs:
             builder = self._streamed_logprobs.setdefault(
                 step.index, lp.CompletionLogprobs(self._output_offset(step.index)))
             logprobs = self._format(builder, step.logprobs)
@@ -92,7 +99,11 @@ class CompletionRenderer(ChoiceRenderer):
     def full_choice(self, result: ChoiceResult) -> dict:
         echo = self._echo(result.index)
         logprobs = None
-        if self._with_logprobs:
+        if self._echo_only:
+            if self._with_logprobs:
+                logprobs = self._with_prompt(result.index, result.prompt_logprobs, None)
+            result = replace(result, text="")
+        elif self._with_logprobs:
             logprobs = self._with_prompt(result.index, result.prompt_logprobs,
                                          self._format(lp.CompletionLogprobs(self._output_offset(result.index)),
                                                       result.logprobs))
@@ -127,5 +138,5 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         echo_texts = list(await asyncio.gather(*(prompt_text(p) for p in raw_prompts)))
     renderer = CompletionRenderer(state.upstream, params.num_logprobs is not None, echo_texts, params.n,
                                   prompts=prompts, num_echo_top=params.num_logprobs if params.echo else None,
-                                  num_prompt_logprobs=body.prompt_logprobs)  # vLLM's field, when asked for
+                                  num_prompt_logprobs=body.prompt_logprobs, echo_only=params.echo_only)  # vLLM's field, when asked for
     return await serve(request, state, facts, ctx, params, prompts, renderer)

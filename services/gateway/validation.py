@@ -77,6 +77,7 @@ class GenerationParams:
     num_logprobs: int | None = None  # top alternatives per token; None: no logprobs
     num_prompt_logprobs: int | None = None  # per prompt token (echo with logprobs, prompt_logprobs); None: none
     echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token generated, not shown)
     cache_salt: str = ""
     sampling: dict = field(default_factory=dict)  # engine SamplingParams fields that were set
     seed: int | None = None
@@ -256,6 +257,8 @@ def validate_completion(req: CompletionRequest, facts: ModelFacts, limits: Limit
     _check(req.best_of is None or req.best_of == req.n,
            f"best_of is not supported (use n); got best_of={req.best_of}, n={req.n}.", "best_of")
     _max_tokens(params, req.max_tokens, "max_tokens")
+    if req.echo and req.max_tokens == 0:  # OpenAI's scoring request, as vLLM serves it: one token, not shown
+        params.max_tokens, params.echo_only = 1, True
     if req.logprobs is not None:
         _check(0 <= req.logprobs < _UINT32, f"logprobs must be non-negative, got {req.logprobs}.", "logprobs")
         params.num_logprobs = req.logprobs

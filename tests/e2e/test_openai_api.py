@@ -154,6 +154,29 @@ def test_echo_logprobs_text_offsets_run_on_past_the_prompt(client):
     assert streamed == {"tokens": lp.tokens, "text_offset": lp.text_offset}
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client):
+    """OpenAI's legacy scoring request (echo, max_tokens 0, logprobs), which vLLM serves: the prompt alone as the
+    text, its tokens' logprobs alone, streamed or not. It was refused (max_tokens must be at least 1)."""
+    prompt = "The sea is deep and wide"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    full = client.completions.create(**kwargs)
+    choice, num_prompt = full.choices[0], full.usage.prompt_tokens
+    assert choice.text == prompt
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == prompt and len(lp.tokens) == len(lp.text_offset) == num_prompt
+    assert lp.token_logprobs[0] is None and all(x < 0 for x in lp.token_logprobs[1:])
+    text, tokens = "", []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for part in chunk.choices:
+            text += part.text
+            tokens += part.logprobs.tokens if part.logprobs else []
+    assert text == prompt and tokens == lp.tokens
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
+    assert plain.choices[0].text == prompt and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError):  # without echo there is nothing to answer, as in vLLM
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
 def test_echo_with_logprobs_scores_the_prompt(client, http):
     """lm-evaluation-harness's log-likelihood request (echo, logprobs=1, max_tokens=1): the prompt's tokens
     with their logprobs, the first one's null, then the output's; the same numbers as vLLM's
