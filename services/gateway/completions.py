@@ -138,5 +138,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         echo_texts = list(await asyncio.gather(*(prompt_text(p) for p in raw_prompts)))
     renderer = CompletionRenderer(state.upstream, params.num_logprobs is not None, echo_texts, params.n,
                                   prompts=prompts, num_echo_top=params.num_logprobs if params.echo else None,
-                                  num_prompt_logprobs=body.prompt_logprobs, echo_only=params.echo_only)  # vLLM's field, when asked for
+                                  num_prompt_logprobs=body.prompt_logprobs,  # vLLM's field, when asked for
+                                  echo_only=params.echo_only)
     return await serve(request, state, facts, ctx, params, prompts, renderer)
