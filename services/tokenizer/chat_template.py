@@ -2,7 +2,8 @@
 
 A checkpoint's templates come from `chat_template.jinja` and `additional_chat_templates/*.jinja`
 when those files exist, else from `tokenizer_config.json`'s `chat_template` (a string, or a list of
-`{"name", "template"}`). The one used by default is the one named "default". Rendering uses the
+`{"name", "template"}`). The one used by default is the one named "default"; a request with tools
+gets the one named "tool_use" where there is one, as transformers picks it. Rendering uses the
 same environment as transformers' `apply_chat_template` (Jinja's immutable sandbox, `trim_blocks`,
 `lstrip_blocks`, loop controls, the `{% generation %}` tag, `raise_exception`, `strftime_now`, a
 `tojson` that does not escape HTML, and the special tokens (`bos_token`, `eos_token`, ...) as
@@ -26,6 +27,7 @@ from services.tokenizer.bounded_sandbox import BoundedSandboxedEnvironment
 from services.tokenizer.template_budget import RenderBudget, TemplateLimits, weight
 
 DEFAULT_TEMPLATE_NAME = "default"
+TOOL_USE_TEMPLATE_NAME = "tool_use"  # the one transformers renders a request with tools by, where it exists
 # Variables the renderer sets itself; template kwargs may not override them.
 RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt"})
 DEFAULT_TEMPLATE_LIMITS = TemplateLimits()

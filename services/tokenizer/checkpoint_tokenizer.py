@@ -23,6 +23,7 @@ from services.common.token_decoder import TokenDecoder
 from services.tokenizer.chat_template import (
     DEFAULT_TEMPLATE_LIMITS,
     DEFAULT_TEMPLATE_NAME,
+    TOOL_USE_TEMPLATE_NAME,
     cut_at_continuation_tag,
     load_chat_templates,
     render_chat,
@@ -59,6 +60,7 @@ class CheckpointTokenizer:
     max_model_len: int
     chat_templates: Mapping[str, str]
     decoder: TokenDecoder  # the backend with the ids incremental detokenization treats apart
+    server_template: bool = False  # --chat-template replaced the default: it renders every chat, tools or not
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> "CheckpointTokenizer":
@@ -100,6 +102,7 @@ class CheckpointTokenizer:
                 backend,
                 special_ids=frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special),
                 byte_fallback_ids=_byte_fallback_ids(backend)),
+            server_template=bool(chat_template),
         )
 
     @property
@@ -126,7 +129,7 @@ class CheckpointTokenizer:
         empty means the checkpoint's default. `continue_final_message` leaves the final message open
         (`chat_template.tag_final_message`). Returns the ids and the rendered text.
         """
-        template = self._pick_template(chat_template)
+        template = self._pick_template(chat_template, (template_kwargs or {}).get("tools") is not None)
         variables = {**self.special_tokens, **(template_kwargs or {})}
         if continue_final_message:
             messages = tag_final_message(messages)
@@ -150,9 +153,13 @@ class CheckpointTokenizer:
             bad = next(i for i in token_ids if i >= self.vocab_size)
             raise InvalidRequestError(f"token id {bad} is out of range: the vocabulary has {self.vocab_size} ids")
 
-    def _pick_template(self, chat_template: str) -> str:
+    def _pick_template(self, chat_template: str, with_tools: bool = False) -> str:
+        """The request's template (a name or a source), else, as transformers' ``get_chat_template``, the
+        checkpoint's ``tool_use`` template for a request with tools where it has one, else its default."""
         if chat_template:
             return self.chat_templates.get(chat_template, chat_template)
+        if with_tools and not self.server_template and TOOL_USE_TEMPLATE_NAME in self.chat_templates:
+            return self.chat_templates[TOOL_USE_TEMPLATE_NAME]
         if self.has_chat_template:
             return self.chat_templates[DEFAULT_TEMPLATE_NAME]
         if self.chat_templates:

@@ -137,6 +137,32 @@ def test_tools_reach_the_template_as_transformers_passes_them(llama3_style_dir):
     assert ids == list(expected["input_ids"])
 
 
+
+def test_a_request_with_tools_renders_the_tool_use_template(llama3_style_dir, tmp_path):
+    """A checkpoint with named templates (tokenizer_config.json's list, as Hermes-2-Pro's): a request with tools
+    renders by "tool_use", one without by "default", as transformers' apply_chat_template picks them;
+    --chat-template renders both. Tools went through "default", which does not show them."""
+    from transformers import AutoTokenizer
+
+    model_dir = shutil.copytree(llama3_style_dir, tmp_path / "named-templates")
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)  # it would be the only template
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "TOOLS {{ tools | tojson }}{% for m in messages %}[{{ m.content }}]{% endfor %}"},
+    ]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    strata = CheckpointTokenizer.from_dir(model_dir)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Add 1 and 2"}]
+    for kwargs in ({"tools": tools}, {}):
+        _, text = strata.encode_chat(messages, False, template_kwargs=kwargs)
+        assert text == hf.apply_chat_template(messages, tokenize=False, **kwargs)
+    assert strata.encode_chat(messages, False, template_kwargs={"tools": tools})[1].startswith("TOOLS ")
+    server = CheckpointTokenizer.from_dir(model_dir, "{{ messages[0].content }}")
+    assert server.encode_chat(messages, False, template_kwargs={"tools": tools})[1] == "Add 1 and 2"
+
 # Checkpoint variants: (base checkpoint fixture, file, keys to change). AutoTokenizer must load each
 # as the service does: with LlamaTokenizer's rebuilt pipeline, or with tokenizer.json as written.
 VARIANTS = {
