@@ -54,8 +54,7 @@ class ChatRenderer(ChoiceRenderer):
     def _logprobs(self, entries: list) -> dict | None:
         if not self._with_logprobs:
             return None
-        texts = self._upstream.token_texts(lp.token_ids_of(entries))
-        return {"content": lp.chat_content(entries, texts)}
+        return {"content": lp.chat_content(entries, self.token_texts(lp.token_ids_of(entries)))}
 
     def preamble(self, indices: list[int]) -> list[dict]:
         def first_delta(index: int) -> dict:
@@ -207,4 +206,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                             ForcedToolCalls(forced.function_name) if forced else None, body.prompt_logprobs,
                             state.reasoning.tags if state.reasoning else None, body.include_reasoning,
                             _echoed(body), body.parallel_tool_calls is not False)
+    renderer.tokens_as_ids = body.return_tokens_as_token_ids
     return await serve(request, state, facts, ctx, params, [prompt], renderer)

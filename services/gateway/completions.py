@@ -53,19 +53,18 @@ class CompletionRenderer(ChoiceRenderer):
         if self._num_echo_top is None:
             return len(self._echo(index))
         prompt = self._prompts[index // self._n]
-        texts = self._upstream.token_texts(set(prompt))
+        texts = self.token_texts(set(prompt))
         return sum(len(texts[token_id]) for token_id in prompt)
 
     def _format(self, builder: lp.CompletionLogprobs, entries: list) -> dict:
-        texts = self._upstream.token_texts(lp.token_ids_of(entries))
-        return builder.format(entries, texts)
+        return builder.format(entries, self.token_texts(lp.token_ids_of(entries)))
 
     def _with_prompt(self, index: int, prompt_entries: list, logprobs: dict | None) -> dict | None:
         """``logprobs`` led by the echoed prompt's tokens, when echo asked for logprobs."""
         if self._num_echo_top is None:
             return logprobs
         first_id = self._prompts[index // self._n][0]
-        texts = self._upstream.token_texts(lp.token_ids_of(prompt_entries) | {first_id})
+        texts = self.token_texts(lp.token_ids_of(prompt_entries) | {first_id})
         prompt = lp.CompletionLogprobs(0).format(prompt_entries, texts, first_id, self._num_echo_top)
         return {key: prompt[key] + (logprobs[key] if logprobs else []) for key in prompt}
 
@@ -140,4 +139,5 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                                   prompts=prompts, num_echo_top=params.num_logprobs if params.echo else None,
                                   num_prompt_logprobs=body.prompt_logprobs,  # vLLM's field, when asked for
                                   echo_only=params.echo_only)
+    renderer.tokens_as_ids = body.return_tokens_as_token_ids
     return await serve(request, state, facts, ctx, params, prompts, renderer)

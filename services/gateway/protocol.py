@@ -106,6 +106,7 @@ class SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     cache_salt: str | None = None
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs in the response, as vLLM shapes them
+    return_tokens_as_token_ids: StrictBool = False  # logprobs name each token "token_id:<id>", as vLLM's
 
 
 class ChatCompletionRequest(SamplingFields):

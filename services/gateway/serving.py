@@ -111,6 +111,15 @@ class ChoiceRenderer:
     each, then the usage chunk (``include_usage``) and ``[DONE]``. Subclasses give the choice entries."""
     chunk_object: str
     response_object: str
+    _upstream: Upstream
+    tokens_as_ids = False  # vLLM's return_tokens_as_token_ids: the logprobs' tokens as "token_id:<id>"
+
+    def token_texts(self, token_ids: set[int]) -> dict[int, str]:
+        """What the logprobs show for each token: its text, or "token_id:<id>" (``tokens_as_ids``), which
+        names a token whose text is not whole (half a UTF-8 character) unambiguously."""
+        if self.tokens_as_ids:
+            return {token_id: f"token_id:{token_id}" for token_id in token_ids}
+        return self._upstream.token_texts(token_ids)
 
     def preamble(self, indices: list[int]) -> list[dict]:
         """Choice entries streamed before any token (chat: the role; completions: echo)."""

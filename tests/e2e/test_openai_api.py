@@ -125,6 +125,25 @@ def test_completion_logprobs_shape(client):
         assert token in top and 2 <= len(top) <= 3 and logprob <= 0
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(client, http):
+    """vLLM's extra: "token_id:<id>" in place of each token's text (in the alternatives too), so a token whose
+    text is half a UTF-8 character is still named; the ids are the ones the text is made of."""
+    kwargs = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"return_tokens_as_token_ids": True,
+                                                                         "ignore_eos": True})
+    lp = client.completions.create(prompt="The sea", logprobs=2, **kwargs).choices[0].logprobs
+    ids = [int(token.removeprefix("token_id:")) for token in lp.tokens]
+    assert all(token == f"token_id:{i}" for token, i in zip(lp.tokens, ids))
+    assert all(key.startswith("token_id:") and token in top for token, top in zip(lp.tokens, lp.top_logprobs)
+               for key in top)
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    text = client.completions.create(prompt="The sea", **kwargs).choices[0].text
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"] == text
+    chat = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, **kwargs)
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:") and entry.bytes == list(entry.token.encode())
+        assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
+
+
 def test_echo_puts_the_prompt_first(client):
     prompt = "Echo 😀 漢字"
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, temperature=0)
