@@ -5,7 +5,9 @@ so they cannot disagree.
 
 - **EOS ids**, as vLLM takes them: the tokenizer's `eos_token` (tokenizer_config.json, or a legacy
   special_tokens_map.json) first, then generation_config.json's `eos_token_id` (one id or a list);
-  config.json's `eos_token_id` only when neither names one.
+  config.json's `eos_token_id` only when neither names one. The first is the checkpoint's own: a request
+  that ends on another (Llama 3.1 Instruct's `<|eom_id|>`, Qwen2.5's `<|endoftext|>`) reports it as its
+  stop_reason, as vLLM makes generation_config.json's extra EOS ids stop tokens.
 - **Longest sequence**: config.json's `max_position_embeddings` (or its `text_config`'s), times the
   rope scaling's `factor` as vLLM derives it (every scaling but `llama3` and `longrope`, whose
   checkpoints state their extended length; `yarn` scales its `original_max_position_embeddings`):

@@ -98,6 +98,9 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
+        # The first is the checkpoint's own (its tokenizer's eos_token, `checkpoint_facts.eos_token_ids`); the
+        # others (generation_config.json's) end the request as stop tokens do, their id reported, as vLLM.
+        self.primary_eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.cache_salt = cache_salt
         self.times = RequestTimes(time.monotonic() if arrival_time is None else arrival_time)
         self.output_token_ids: list[int] = []

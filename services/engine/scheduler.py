@@ -241,6 +241,8 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if token_id in request.eos_token_ids and not params.ignore_eos:
+                if token_id != request.primary_eos_token_id:  # generation_config.json's: a stop token
+                    request.stop_token_id = token_id
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_id_set:
                 request.stop_token_id = token_id

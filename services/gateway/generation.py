@@ -131,7 +131,7 @@ class ChoiceDecoder:
         elif finish is not None:
             step.text += self._matcher.flush()
             step.finish_reason = finish
-            if output.HasField("stop_token_id") and output.stop_token_id not in self._eos_token_ids:
+            if output.HasField("stop_token_id"):  # (generation_config.json's extra EOS ids too, as vLLM)
                 step.stop_reason = output.stop_token_id
         self.finished = step.finish_reason is not None
         return step

@@ -81,6 +81,19 @@ def test_the_token_that_stopped_a_choice_is_not_in_its_text(client, tokenizer):
     assert cut.text == "".join(tokens[:k]) and len(cut.logprobs.tokens) == k + 1
 
 
+def test_generation_configs_extra_eos_ends_a_choice_with_its_id_as_stop_reason(client, tokenizer):
+    """The default model's generation_config.json ends generation on <|endoftext|> besides its tokenizer's
+    <|im_end|> (as Qwen2.5's): vLLM makes such an extra EOS id a stop token, reported as the stop_reason;
+    the tokenizer's own EOS has none."""
+    for token, reason in (("<|im_end|>", None), ("<|endoftext|>", encode(tokenizer, "<|endoftext|>")[0])):
+        (eos,) = encode(tokenizer, token)
+        for stream in (False, True):
+            response = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=5,
+                                                 logit_bias={str(eos): 100}, stream=stream)
+            last = [c.choices[0] for c in response][-1] if stream else response.choices[0]
+            assert (last.finish_reason, last.model_extra.get("stop_reason")) == ("stop", reason)
+
+
 def test_multibyte_text_arrives_intact(client, engine, tokenizer):
     """The greedy output for prompts full of emoji and CJK is streamed delta by delta; joined, the
     deltas must equal the tokenizer's decode of the engine's own ids for the same prompt."""

@@ -290,6 +290,8 @@ def test_abort_unknown_request_returns_nothing():
     ({"ignore_eos": True, "stop_token_ids": (9,)}, [EOS, 9], ([EOS, 9], "stop", 9)),
     ({"max_tokens": 3}, [5, 6, 7, 8], ([5, 6, 7], "length", None)),
     ({"max_tokens": 2}, [5, EOS], ([5, EOS], "stop", None)),  # a stop token wins on the last token
+    ({"eos": (EOS, 11)}, [5, 11, 7], ([5, 11], "stop", 11)),  # generation_config.json's extra EOS: reported
+    ({"eos": (EOS, 11), "ignore_eos": True, "max_tokens": 3}, [11, EOS, 11], ([11, EOS, 11], "length", None)),
 ])
 def test_stop_conditions(params, script, expected):
     scheduler = make_scheduler()
