@@ -26,6 +26,16 @@ def stream_chat(client, **kwargs):
     return chunks, texts, finishes, roles
 
 
+def streamed_logprobs(chunks, *fields: str) -> dict[str, list]:
+    """A streamed completion's logprobs, each field's entries joined in the order they came."""
+    joined = {field: [] for field in fields}
+    for chunk in chunks:
+        for part in chunk.choices:
+            for field in fields:
+                joined[field] += getattr(part.logprobs, field) if part.logprobs else []
+    return joined
+
+
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -164,12 +174,7 @@ def test_echo_logprobs_text_offsets_run_on_past_the_prompt(client):
     lp = client.completions.create(**kwargs).choices[0].logprobs
     assert len("".join(lp.tokens[:-3])) > len(prompt)  # the case: a token string holds a split character
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    streamed = {"tokens": [], "text_offset": []}
-    for chunk in client.completions.create(stream=True, **kwargs):
-        for part in chunk.choices:
-            if part.logprobs:
-                streamed["tokens"] += part.logprobs.tokens
-                streamed["text_offset"] += part.logprobs.text_offset
+    streamed = streamed_logprobs(client.completions.create(stream=True, **kwargs), "tokens", "text_offset")
     assert streamed == {"tokens": lp.tokens, "text_offset": lp.text_offset}
 
 
@@ -226,13 +231,9 @@ def test_echo_with_logprobs_scores_the_prompt(client, http):
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert all(len(alternatives) == 1 for alternatives in chat["prompt_logprobs"][1:])  # the prompt token alone
 
-    streamed = {"tokens": [], "token_logprobs": []}
-    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
-                                           temperature=0, stream=True):
-        for part in chunk.choices:
-            if part.logprobs:
-                streamed["tokens"] += part.logprobs.tokens
-                streamed["token_logprobs"] += part.logprobs.token_logprobs
+    streamed = streamed_logprobs(client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True,
+                                                           logprobs=1, temperature=0, stream=True),
+                                 "tokens", "token_logprobs")
     assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
 
 
