@@ -126,10 +126,9 @@ def run_in_process(llm, prompts, output_lens) -> Run:
 async def _stream_all(base_url: str, model: str, prompts, output_lens, concurrency: int,
                       stack) -> tuple[Run, dict[str, int], dict[str, float], float, float | None]:
     """The requests streamed through the gateway, their errors (how many requests failed with each), the
-    CPU seconds that each of
-    ``stack``'s processes and this one (the clients) spent while they streamed (not the warm-up's, nor
-    the client session's setup, which a short run's per-token figure would carry), and the share of
-    the cores' time that was idle meanwhile."""
+    CPU seconds that each of ``stack``'s processes and this one (the clients) spent while they streamed
+    (not the warm-up's, nor the client session's setup, which a short run's per-token figure would
+    carry), and the share of the cores' time that was idle meanwhile."""
     from services.bench.client import RequestSettings, open_session
     from services.bench.datasets import BenchRequest
     from services.bench.runner import RunPlan, error_counts, send_all
