@@ -42,6 +42,11 @@ PYTHONIC = {
     "[1, 2, 3]": ("[1, 2, 3]", []),  # a list, not of calls
     '[f(open("x"))]': ('[f(open("x"))]', []),  # a positional, non-literal argument
     '[get_weather(city="Par': ('[get_weather(city="Par', []),  # cut off
+    # literals that are no JSON (a set, bytes, a complex number, infinity): text, as vLLM gives them, not a 500
+    "[f(x={1, 2})]": ("[f(x={1, 2})]", []),
+    '[f(x=b"ab")]': ('[f(x=b"ab")]', []),
+    "[f(x=1j)]": ("[f(x=1j)]", []),
+    "[f(x=1e999)]": ("[f(x=1e999)]", []),
 }
 CASES = [("llama3_json", text, expected) for text, expected in LLAMA3.items()] + \
         [("mistral", text, expected) for text, expected in MISTRAL.items()] + \

@@ -63,5 +63,8 @@ class PythonicStream(ToolCallStream):
                 return []
             if None in arguments:  # **kwargs
                 return []
-            parsed.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+            try:  # a set, bytes or a complex number is a literal but no JSON: text, as vLLM reads it
+                parsed.append((node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+            except (TypeError, ValueError):
+                return []
         return [self._call(name, arguments) for name, arguments in parsed]
