@@ -44,12 +44,24 @@ def test_text_that_is_not_a_call_stays_text(text):
     assert parse_tool_calls(text) == (text, [])
 
 
+@pytest.mark.parametrize("text, content", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', None),
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "Let me check.\n"),
+])
+def test_a_call_whose_end_tag_never_came_is_a_call(text, content):
+    """The choice ended after the call's JSON (EOS, or the client's stop string "</tool_call>"): vLLM reads
+    ``<tool_call>(.*)`` at the end as a call too."""
+    assert parse_tool_calls(text)[0] == content
+    assert names_and_arguments(parse_tool_calls(text)[1]) == [("get_weather", {"city": "Paris"})]
+
+
 def test_only_calls_means_no_content_and_string_arguments_pass_through():
     content, calls = parse_tool_calls('<tool_call>{"name": "now", "arguments": "{}"}</tool_call>\n')
     assert content is None and names_and_arguments(calls) == [("now", {})]
 
 
-@pytest.mark.parametrize("text", [TWO_CALLS, "plain <tool_ text", 'x <tool_call>{"name": "a"}</tool_call>', "<tool_call>"])
+@pytest.mark.parametrize("text", [TWO_CALLS, "plain <tool_ text", 'a <tool_call>{"name": "b", "arguments": {}}',
+                                  'a <tool_call>{"name": "b", "argu', 'x <tool_call>{"name": "a"}</tool_call>', "<tool_call>"])
 def test_a_stream_cut_anywhere_gives_what_the_whole_text_gives(text):
     whole_content, whole_calls = parse_tool_calls(text)
     for cut in range(len(text) + 1):

@@ -45,10 +45,13 @@ class HermesStream(ToolCallStream):
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """What is still held (a partial tag, an unfinished call), as text."""
-        rest = (_START if self._in_call else "") + self._held
+        """What is still held: a call whose ``</tool_call>`` never came (the choice ended, say at a stop
+        string ``</tool_call>``) is a call where its body is one, as vLLM's parser reads
+        ``<tool_call>(.*)`` at the end; else (a partial tag, a cut-off call) text."""
+        call = self._parse(self._held) if self._in_call else None
+        rest = "" if call is not None else (_START if self._in_call else "") + self._held
         self._held, self._in_call = "", False
-        return self._text(rest), []
+        return self._text(rest), [call] if call is not None else []
 
     def _text(self, text: str) -> str:
         return "" if self.num_calls and not text.strip() else text
