@@ -173,7 +173,9 @@ def _common(req: SamplingFields, facts: ModelFacts, limits: Limits) -> Generatio
         sampling["logit_bias"] = _logit_bias(req.logit_bias)
     _check(not (params.is_greedy(facts.default_temperature) and req.n > 1),
            f"n must be 1 when using greedy sampling, got {req.n}.", "n")
-    if req.seed is not None:
+    if req.seed is not None:  # vLLM's range, a signed 64-bit integer (a larger one was wrapped, seed 2**64 as 0)
+        _check(-_UINT64 // 2 <= req.seed < _UINT64 // 2,
+               f"seed must be a 64-bit signed integer (from -2**63 to 2**63 - 1), got {req.seed}.", "seed")
         params.seed = req.seed % _UINT64
 
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

@@ -117,6 +117,15 @@ def test_unset_sampling_fields_stay_unset():
 
 def test_negative_seed_wraps_to_uint64():
     assert chat(seed=-1).sampling_proto(0).seed == (1 << 64) - 1
+    assert chat(seed=-(1 << 63)).sampling_proto(0).seed == 1 << 63
+
+
+@pytest.mark.parametrize("seed", [1 << 63, 1 << 64, -(1 << 63) - 1])
+def test_a_seed_past_64_bits_is_a_400_as_in_vllm(seed):
+    """It was wrapped modulo 2**64: seed 2**64 sampled as seed 0 did."""
+    for call in (chat, completion):
+        error = refused(call, seed=seed)
+        assert error.status == 400 and error.param == "seed"
 
 
 def test_logprobs_true_without_top_logprobs_asks_for_the_sampled_token_only():
