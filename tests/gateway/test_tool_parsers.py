@@ -30,6 +30,9 @@ MISTRAL = {
     'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]':
         ("Sure.", [("get_weather", PARIS), ("now", {})]),
     '[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]now{}': (None, [("get_weather", PARIS), ("now", {})]),
+    # v13 tokenizers (Mistral Small 3.2, Magistral, Devstral) put [ARGS] between name and arguments; vLLM drops it
+    'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}':
+        ("Sure.", [("get_weather", PARIS), ("now", {})]),
     "No call [TOOL_CALL here.": ("No call [TOOL_CALL here.", []),
     "[TOOL_CALLS] [not json at all": ("[not json at all", []),
     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}] junk]':

@@ -1,8 +1,8 @@
 """``mistral``: Mistral 7B Instruct v0.3 and its kin write ``[TOOL_CALLS]`` (a special token, so the
 choice is decoded with special tokens kept) and then a JSON array of ``{"name", "arguments"}``; models
-of Mistral's v11 tokenizer write ``[TOOL_CALLS]name{arguments}`` per call. Text before the first
-``[TOOL_CALLS]`` is content. Call ids are 9 letters and digits, which Mistral's chat templates require
-of the ids sent back."""
+of Mistral's v11 tokenizer write ``[TOOL_CALLS]name{arguments}`` per call (v13's, as Mistral Small 3.2's,
+``[TOOL_CALLS]name[ARGS]{arguments}``). Text before the first ``[TOOL_CALLS]`` is content. Call ids are
+9 letters and digits, which Mistral's chat templates require of the ids sent back."""
 
 import json
 import random
@@ -14,6 +14,7 @@ from services.gateway.held_back import held_back_length
 from services.gateway.tool_parsers.base import ToolCallStream
 
 _TOOL_CALLS = "[TOOL_CALLS]"
+_ARGS = "[ARGS]"
 _ARRAY = re.compile(r"\[\{.*\}\]", re.DOTALL)
 _ID_CHARACTERS = string.ascii_letters + string.digits
 
@@ -79,10 +80,11 @@ class MistralStream(ToolCallStream):
                 except json.JSONDecodeError:
                     continue
             return []
-        calls = []  # v11: name{arguments} after each marker
+        calls = []  # v11: name{arguments} after each marker; v13: name[ARGS]{arguments}
         for piece in pieces:
             brace = piece.find("{")
-            call = self._call(piece[:brace].strip(), piece[brace:].strip()) if brace > 0 else None
+            name = piece[:brace].replace(_ARGS, "").strip()  # as vLLM drops it
+            call = self._call(name, piece[brace:].strip()) if brace > 0 else None
             if call is not None:
                 calls.append(call)
         return calls
