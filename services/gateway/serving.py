@@ -24,6 +24,7 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from services.gateway import errors, genai_span, sse
 from services.gateway.drain import Drain
@@ -290,8 +291,13 @@ class _Recorder:
             self.span.add_event(genai_span.STAGE_FIRST_CHUNK_SENT)
 
     def error(self, error: OpenAIError) -> None:
-        """An error sent after the stream began (an HTTP error status is counted by middleware)."""
+        """An error sent after the stream began (an HTTP error status is counted by middleware). The
+        status was 200, but a server error failed the request: its span is an error, as a 5xx status
+        makes it (TracingMiddleware), with the error's type."""
         self._metrics.request_errors.labels(str(error.status), error.error_type).inc()
+        if error.status >= 500:
+            self.span.set_attribute("error.type", error.error_type)
+            self.span.set_status(Status(StatusCode.ERROR, error.message))
 
     def done(self, usage: Usage, completed: bool) -> None:
         model = self._ctx.model

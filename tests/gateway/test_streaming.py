@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from services.gateway import sse
 from services.gateway.chat import ChatRenderer
@@ -17,6 +19,7 @@ from services.gateway.generation import Step
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.serving import RequestContext, Usage, _EventStream, _Recorder
 from services.gateway.validation import GenerationParams
+from tests.common.spans import in_memory_exporter
 
 
 class ScriptedChoices:
@@ -97,6 +100,24 @@ def test_error_after_the_stream_began_is_an_error_event_then_done():
     assert events[1] == {"error": {"message": "engine failed: UNAVAILABLE",
                                    "type": "service_unavailable_error", "param": None, "code": None}}
     assert events[2:] == ["[DONE]"]
+
+
+def test_an_error_after_the_stream_began_marks_the_requests_span_failed():
+    """The HTTP status was 200 (the headers went out), but the request failed: its root span is an
+    error, as a 5xx before the headers makes it (TracingMiddleware), so a trace search for errors
+    finds a stream cut by an engine's failure; a 4xx after the headers leaves it unset, as HTTP's."""
+    exporter = in_memory_exporter()
+    tracer = trace.get_tracer("tests.streaming")
+    for status in (503, 400):
+        with tracer.start_as_current_span(f"POST /v1/completions {status}"):
+            run_stream(CompletionRenderer(None, False, None, 1), GenerationParams(stream=True),
+                       [Step(0, "partial", [1]), OpenAIError("engine failed: UNAVAILABLE", status)], 1)
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    failed, refused = spans["POST /v1/completions 503"], spans["POST /v1/completions 400"]
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.status.description == "engine failed: UNAVAILABLE"
+    assert failed.attributes["error.type"] == "service_unavailable_error"
+    assert refused.status.status_code is StatusCode.UNSET and "error.type" not in refused.attributes
 
 
 def test_a_step_whose_tokens_show_no_text_yet_still_gets_its_chunk():
