@@ -33,6 +33,10 @@ _GRAMMAR_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.0
 # in series with the next step; taken in together they stay warm, and a catch-up holds the loop (or,
 # from a scrape, the GIL) for about a millisecond at most.
 MAX_QUEUED_OUTPUTS = 256
+# The finish reasons request_success counts, whose series exist at 0 from the start, as vLLM makes
+# one per reason: a series that appears at its first increment hides that increment from
+# Prometheus' rate() and increase(), and a query for a reason not seen yet answers nothing, not 0.
+FINISH_REASONS = ("stop", "length")
 
 
 class EngineMetrics:
@@ -61,6 +65,8 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.").labels(*values)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(*values)
         self.request_success = counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
+        for reason in FINISH_REASONS:  # at 0 from the start, as vLLM makes them (see FINISH_REASONS)
+            self.request_success.labels(*values, reason)
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).").labels(*values)
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(*values)
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(*values)

@@ -88,12 +88,14 @@ class GatewayConfig:
             raise ValueError("timeouts must be > 0 seconds")
 
 
-async def _fetch_facts_early(upstream: Upstream, reasoning: ReasoningParser | None) -> None:
+async def _fetch_facts_early(upstream: Upstream, reasoning: ReasoningParser | None,
+                             metrics: GatewayMetrics) -> None:
     """The model's facts and the tokenizer's decoder (a parse of its tokenizer JSON), and the reasoning
     parser's tags in its vocabulary (an error logged at once), before the first request needs them;
-    where an upstream is not up yet, that request fetches them instead."""
+    where an upstream is not up yet, that request fetches them instead. The served names' series are
+    made once the names are known (the engine's model, where no --served-model-name names it)."""
     try:
-        await upstream.facts()
+        metrics.add_models((await upstream.facts()).names)
         if reasoning is not None:
             await reasoning.end_token_ids(upstream)
     except errors.OpenAIError:
@@ -102,6 +104,8 @@ async def _fetch_facts_early(upstream: Upstream, reasoning: ReasoningParser | No
 
 def create_app(config: GatewayConfig) -> FastAPI:
     metrics = GatewayMetrics()
+    if config.served_model_name:  # the series of the names served, at 0 from the start
+        metrics.add_models((config.served_model_name, *config.served_model_aliases))
     drain = Drain()  # begun by __main__'s server on SIGTERM (app.state.drain)
 
     @asynccontextmanager
@@ -114,7 +118,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.state.gateway = GatewayState(upstream, metrics, config.limits, config.tool_call_parser,
                                          config.stream_headers_timeout_s, drain, reasoning)
         drain.loop = asyncio.get_running_loop()
-        warm_up = asyncio.ensure_future(_fetch_facts_early(upstream, reasoning))
+        warm_up = asyncio.ensure_future(_fetch_facts_early(upstream, reasoning, metrics))
         try:
             yield
         finally:

@@ -15,6 +15,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                           5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+FINISH_REASONS = ("stop", "length")  # those every request may end with, counted at 0 from the start
 
 
 class GatewayMetrics:
@@ -53,6 +54,18 @@ class GatewayMetrics:
         self.e2e_latency = Histogram(
             "strata:e2e_request_latency_seconds", "Time from arrival to the last token.", labels,
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def add_models(self, names) -> None:
+        """Makes the series labelled with each served model name, at 0, before its first request, as
+        vLLM makes its series at start: a counter that appears at its first increment hides that
+        increment from Prometheus' rate() and increase(), and a query for a name or finish reason not
+        seen yet answers nothing, not 0."""
+        for name in names:
+            for series in (self.prompt_tokens, self.generation_tokens, self.num_requests_running,
+                           self.time_to_first_token, self.time_per_output_token, self.e2e_latency):
+                series.labels(name)
+            for reason in FINISH_REASONS:
+                self.request_success.labels(name, reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

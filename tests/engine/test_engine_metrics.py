@@ -70,3 +70,16 @@ def test_no_step_is_lost_or_counted_twice_while_scrapes_run_beside_the_loop():
         scraper.join()
     assert sample(metrics, "generation_tokens_total") == 10_000
     assert sample(metrics, "engine_step_seconds_count") == 5000
+
+
+def test_every_series_is_there_at_zero_before_the_first_request():
+    """As vLLM makes its request_success series for every finish reason at start: a series that appears
+    at its first increment hides that increment from Prometheus' rate() and increase(), and a query
+    for a reason not seen yet answers nothing instead of 0."""
+    metrics = EngineMetrics("m", "engine-0")
+    for reason in ("stop", "length"):
+        assert metrics.registry.get_sample_value("strata:request_success_total",
+                                                 {**LABELS, "finished_reason": reason}) == 0
+    for name in ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "request_queue_time_seconds_count", "request_prompt_tokens_count"):
+        assert sample(metrics, name) == 0, name

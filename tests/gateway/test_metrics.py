@@ -49,6 +49,25 @@ def test_the_gateway_exports_its_own_measures_and_no_engine_series():
         assert not {name for name in names if name == series or name.startswith(series + "_")}, series
 
 
+
+def test_the_served_names_series_are_there_at_zero_before_the_first_request():
+    """As vLLM makes its series at start (request_success for every finish reason): a counter that
+    appears at its first increment hides that increment from rate() and increase() (Prometheus sees
+    no 0 before it), and a query for a model or reason not seen yet answers nothing instead of 0."""
+    config = GatewayConfig(tokenizer_addr="127.0.0.1:9", engine_addr="127.0.0.1:9", served_model_name="m",
+                           served_model_aliases=("alias",))
+    with TestClient(create_app(config)) as client:
+        text = client.get("/metrics").text
+    for model in ("m", "alias"):
+        for series in ("strata:prompt_tokens_total", "strata:generation_tokens_total",
+                       "strata:gateway_num_requests_running", "strata:time_to_first_token_seconds_count",
+                       "strata:e2e_request_latency_seconds_count",
+                       "strata:request_time_per_output_token_seconds_count"):
+            assert f'{series}{{model_name="{model}"}} 0.0' in text, (series, model)
+        for reason in ("stop", "length"):
+            assert f'strata:request_success_total{{finished_reason="{reason}",model_name="{model}"}} 0.0' in text
+
+
 def test_a_streams_duration_runs_to_its_last_byte():
     metrics = GatewayMetrics()
     app = FastAPI()
