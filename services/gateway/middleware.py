@@ -142,14 +142,18 @@ class BodyLimitMiddleware:
 
 class ErrorCountMiddleware:
     """Counts responses with status >= 400 by status code and OpenAI error type (read from the
-    error body, which is small and whole in its first message; ``unknown`` if it is not one)."""
+    error body, which is small and whole in its first message; ``unknown`` if it is not one).
+    A readiness probe's 503 (``/health`` while an upstream is not serving: every start) is no error
+    answered to a client, and is not counted, as vLLM's HTTP metrics leave ``/health`` out."""
+
+    UNCOUNTED_PATHS = frozenset({"/health"})
 
     def __init__(self, app: ASGIApp, counter) -> None:
         self.app = app
         self._counter = counter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.UNCOUNTED_PATHS:
             return await self.app(scope, receive, send)
         error_status: int | None = None
 

@@ -68,6 +68,17 @@ def test_the_served_names_series_are_there_at_zero_before_the_first_request():
             assert f'strata:request_success_total{{finished_reason="{reason}",model_name="{model}"}} 0.0' in text
 
 
+def test_a_readiness_probes_503_is_no_error_answered():
+    """/health's 503 (an upstream not serving yet: every start, while the engine loads) tells a probe
+    to wait, as vLLM's /health does, whose HTTP metrics leave /health out: it is no error answered to a
+    client, and an alert on strata:request_errors_total{status_code=~"5.."} fired at every start."""
+    with TestClient(create_app(CONFIG)) as client:
+        assert client.get("/health").status_code == 503
+        assert client.get("/v1/models").status_code == 401
+        text = client.get("/metrics").text
+    errors = [line for line in text.splitlines() if line.startswith("strata:request_errors_total{")]
+    assert errors == ['strata:request_errors_total{error_type="invalid_request_error",status_code="401"} 1.0']
+
 def test_a_streams_duration_runs_to_its_last_byte():
     metrics = GatewayMetrics()
     app = FastAPI()
