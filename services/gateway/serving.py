@@ -166,9 +166,14 @@ class ChoiceChunks:
                                           "created": ctx.created, "model": ctx.model})
 
     def _chunk(self, choices: list[dict], with_usage: bool) -> bytes:
+        """A chunk of one choice (``continuous_usage_stats``: with that choice's usage so far, as vLLM
+        counts it) or of none (the final usage chunk, over all choices)."""
         if self._usage is None:
             return self._framing.event(choices)
-        return self._framing.event(choices, self._usage.as_dict() if with_usage else None)
+        if not with_usage:
+            return self._framing.event(choices, None)
+        return self._framing.event(choices, self._usage.of_choice(choices[0]["index"]) if choices
+                                   else self._usage.as_dict())
 
     def opening(self) -> list[bytes]:
         preamble = self._renderer.preamble(list(range(self._num_choices)))
@@ -210,6 +215,12 @@ class Usage:
     @property
     def prompt_tokens(self) -> int:
         return sum(self._prompt_tokens)
+
+    def of_choice(self, index: int) -> dict:
+        """One choice's counts so far: its prompt's tokens and its own completion tokens (what a chunk
+        carries with ``continuous_usage_stats``, as vLLM's per-choice counts)."""
+        prompt, completion = self._prompt_tokens[index // self._n], self._completion[index]
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @property
     def completion_tokens(self) -> int:

@@ -103,6 +103,15 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(client):
     assert all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 4
+    # with n choices, a choice's chunk counts that choice's tokens (vLLM's previous_num_tokens[i]); the
+    # final chunk, all of them
+    chunks, _, _, _ = stream_chat(client, max_tokens=4, n=2, temperature=1.0, seed=3,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+    for index in (0, 1):
+        counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].index == index]
+        assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
 
 
 def test_chat_logprobs_shape(client):
