@@ -1,11 +1,14 @@
-"""The /metrics server: the text format with the documented names, and no traceback for a scraper that
-hung up before its answer was written (Prometheus' scrape timeout against a paused process)."""
+"""The /metrics server: the text format with the documented names, HEAD as GET without the body, and no
+traceback for a scraper that hung up before its answer was written (Prometheus' scrape timeout against a
+paused process)."""
 
 import socket
 import struct
 import threading
+import urllib.error
 import urllib.request
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
 
@@ -36,6 +39,27 @@ def test_names_are_served_as_written():
         with urllib.request.urlopen(request, timeout=5) as response:
             assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
             assert "strata:things_total 1.0" in response.read().decode()
+    finally:
+        server.shutdown()
+
+
+def test_head_answers_as_get_without_the_body():
+    registry = CollectorRegistry()
+    Counter("strata:things", "Things.", registry=registry).inc()
+    port = find_free_port()
+    server = start_metrics_server("127.0.0.1", port, registry)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            length = int(response.headers["Content-Length"])
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD"),
+                                    timeout=5) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert int(response.headers["Content-Length"]) == length
+            assert response.read() == b""
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/nothing", method="HEAD"), timeout=5)
+        assert missing.value.code == 404
     finally:
         server.shutdown()
 
