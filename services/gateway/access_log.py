@@ -1,6 +1,7 @@
 """uvicorn's access lines, less the probes: a successful ``GET /metrics`` (Prometheus, every few
-seconds) or ``GET /health`` (Kubernetes, the launcher, a load balancer) is not logged unless the
-gateway logs at debug; every other request is one line, as uvicorn writes it."""
+seconds) or ``GET /health`` (Kubernetes, the launcher, a load balancer), or the same as ``HEAD`` (an
+uptime check), is not logged unless the gateway logs at debug; every other request is one line, as
+uvicorn writes it."""
 
 import logging
 
@@ -13,7 +14,7 @@ class ProbeFilter(logging.Filter):
         if not isinstance(args, tuple) or len(args) != 5:  # uvicorn's: client, method, path, version, status
             return True
         _, method, path, _, status = args
-        probe = method == "GET" and str(path).split("?")[0] in PROBE_PATHS and int(status) < 400
+        probe = method in ("GET", "HEAD") and str(path).split("?")[0] in PROBE_PATHS and int(status) < 400
         return not probe or logging.getLogger("uvicorn.access").isEnabledFor(logging.DEBUG)
 
 

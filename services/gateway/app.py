@@ -150,7 +150,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         check_model(model, facts)
         return JSONResponse(model_card(facts, model))
 
-    @app.get("/health")
+    # GET and HEAD: load balancers and uptime checks probe with HEAD (uvicorn sends its status and
+    # headers, no body), which FastAPI's app.get alone answers with 405; vLLM's mounted Prometheus app
+    # answers HEAD /metrics, TGI's routes HEAD /health too.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> JSONResponse:
         upstreams = await gateway_state(request).upstream.health()
         if all(upstreams.values()):
@@ -163,7 +166,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": service_identity.version()})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

@@ -25,6 +25,7 @@ def access_level():
 
 @pytest.mark.parametrize("method,path,status,kept", [
     ("GET", "/metrics", 200, False), ("GET", "/health", 200, False), ("GET", "/health?full=1", 200, False),
+    ("HEAD", "/metrics", 200, False), ("HEAD", "/health", 503, True),
     ("GET", "/health", 503, True), ("POST", "/v1/completions", 200, True), ("GET", "/v1/models", 200, True),
     ("POST", "/metrics", 405, True), ("GET", "/metrics/x", 404, True)])
 def test_probes_are_left_out(access_level, method, path, status, kept):

@@ -57,6 +57,13 @@ def test_health_and_metrics_need_no_key(client):
     assert client.get("/health").status_code == 503  # upstreams down, and it says so
 
 
+def test_health_and_metrics_answer_head(client):
+    """As GET does (uvicorn leaves the body out): a HEAD probe is not refused with 405."""
+    metrics = client.head("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert client.head("/health").status_code == 503
+
+
 def test_body_over_the_limit_is_413(client):
     response = client.post("/v1/completions", json={"prompt": "x" * 5000}, headers=AUTH)
     assert_openai_error(response, 413)
