@@ -4,7 +4,8 @@ Reproducible from one pinned source, the llama-cpp-python sdist (it vendors llam
   build    `pip download` the sdist, build only the `llama-server` target with cmake (CPU only,
            `-march=native`, `nice -n 19`, one compile job at a time), keep the binary under
            ~/.cache/strata/llamacpp/<version>/ (built once per machine).
-  convert  a Strata/HF checkpoint directory to GGUF (f32 or bf16) with the vendored
+  convert  a Strata/HF checkpoint directory to GGUF (f32, bf16, or q8_0: llama.cpp's 8-bit weights, what its
+           CPU users run) with the vendored
            `convert_hf_to_gguf.py` and the vendored `gguf-py` it was released with.
   serve    build + convert, then start `llama-server` on the GGUF and wait until /health answers;
            runs until interrupted. Point `strata bench serve --baseline-url` at it.
@@ -34,7 +35,7 @@ from services.common.supervisor import die_with_parent
 
 VERSION = "0.3.36"
 CACHE_DIR = Path.home() / ".cache" / "strata" / "llamacpp"
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "q8_0": "q8_0"}
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
                "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_OPENSSL=OFF",
@@ -103,8 +104,8 @@ def verify_pre_tokenizer(model_dir: Path) -> None:
 
 
 def convert_to_gguf(model_dir: Path, dtype: str, version: str = VERSION) -> Path:
-    """`model_dir` as GGUF of `dtype` (float32 or bfloat16), written beside it once:
-    `<model_dir>/ggml-model-<f32|bf16>.gguf`."""
+    """`model_dir` as GGUF of `dtype` (float32, bfloat16 or q8_0), written beside it once:
+    `<model_dir>/ggml-model-<f32|bf16|q8_0>.gguf`."""
     out = Path(model_dir) / f"ggml-model-{GGUF_TYPES[dtype]}.gguf"
     if out.is_file():
         return out
