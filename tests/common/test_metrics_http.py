@@ -28,40 +28,38 @@ class SlowCollector(Collector):
         return []
 
 
-def test_names_are_served_as_written():
+@pytest.fixture
+def things_url():
+    """The base URL of a metrics server whose registry holds one counter, strata:things at 1."""
     registry = CollectorRegistry()
     Counter("strata:things", "Things.", registry=registry).inc()
     port = find_free_port()
     server = start_metrics_server("127.0.0.1", port, registry)
     try:
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
-                                         headers={"Accept": "application/openmetrics-text; version=1.0.0"})
-        with urllib.request.urlopen(request, timeout=5) as response:
-            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            assert "strata:things_total 1.0" in response.read().decode()
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.shutdown()
 
 
-def test_head_answers_as_get_without_the_body():
-    registry = CollectorRegistry()
-    Counter("strata:things", "Things.", registry=registry).inc()
-    port = find_free_port()
-    server = start_metrics_server("127.0.0.1", port, registry)
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            length = int(response.headers["Content-Length"])
-        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD"),
-                                    timeout=5) as response:
-            assert response.status == 200
-            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            assert int(response.headers["Content-Length"]) == length
-            assert response.read() == b""
-        with pytest.raises(urllib.error.HTTPError) as missing:
-            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/nothing", method="HEAD"), timeout=5)
-        assert missing.value.code == 404
-    finally:
-        server.shutdown()
+def test_names_are_served_as_written(things_url):
+    request = urllib.request.Request(f"{things_url}/metrics",
+                                     headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        assert "strata:things_total 1.0" in response.read().decode()
+
+
+def test_head_answers_as_get_without_the_body(things_url):
+    with urllib.request.urlopen(f"{things_url}/metrics", timeout=5) as response:
+        length = int(response.headers["Content-Length"])
+    with urllib.request.urlopen(urllib.request.Request(f"{things_url}/metrics", method="HEAD"), timeout=5) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        assert int(response.headers["Content-Length"]) == length
+        assert response.read() == b""
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(urllib.request.Request(f"{things_url}/nothing", method="HEAD"), timeout=5)
+    assert missing.value.code == 404
 
 
 def test_a_scraper_that_left_is_no_error(capfd):
