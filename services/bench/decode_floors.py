@@ -20,6 +20,7 @@ import torch
 from services.bench.floor import layer_projection_params, timed
 from services.engine.config import EngineConfig
 from services.engine.models.config import ModelConfig
+from services.engine.models.quantized_weights import INT8_AT_LOAD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,16 +29,20 @@ class StepBytes:
     kv: int  # the K/V of `context` positions, every layer
 
 
-def decode_step_bytes(mc: ModelConfig, element_size: int, context: int) -> StepBytes:
-    """The bytes a batch-1 decode step at `context` positions cannot avoid reading."""
+def decode_step_bytes(mc: ModelConfig, element_size: int, context: int, int8_weights: bool = False) -> StepBytes:
+    """The bytes a batch-1 decode step at `context` positions cannot avoid reading; with
+    ``int8_weights`` (``--quantization int8``) the projections' and the logits' matrices are one byte an
+    element, with a float32 scale per output row."""
     hidden, q_size, kv_size = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    layer = layer_projection_params(mc)
-    layer += (q_size + 2 * kv_size) * mc.attention_bias + hidden * mc.o_proj_bias
+    matrices = mc.num_layers * layer_projection_params(mc) + mc.vocab_size * hidden  # the logits' too
+    rows = mc.num_layers * (q_size + 2 * kv_size + hidden + 2 * mc.intermediate_size + hidden) + mc.vocab_size
+    layer = (q_size + 2 * kv_size) * mc.attention_bias + hidden * mc.o_proj_bias
     layer += (2 * mc.intermediate_size + hidden) * mc.mlp_bias
     layer += 2 * hidden  # the two norms
-    weights = mc.num_layers * layer + hidden + mc.vocab_size * hidden + hidden  # final norm, logits, embedding row
+    others = mc.num_layers * layer + hidden + hidden  # final norm, embedding row
+    matrix_bytes = matrices + 4 * rows if int8_weights else matrices * element_size
     kv = mc.num_layers * 2 * kv_size * context
-    return StepBytes(weights * element_size, kv * element_size)
+    return StepBytes(matrix_bytes + others * element_size, kv * element_size)
 
 
 def projections(model) -> list[tuple[torch.nn.Module, int]]:
@@ -103,9 +108,11 @@ def run_decode_floors(config: EngineConfig, dtypes: list[str], context: int, ste
         step_s, model = time_decode_step(dataclasses.replace(config, dtype=name), context, steps)
         linear_s = time_linear_floor(model, dtype, steps)
         del model
-        read = decode_step_bytes(mc, torch.empty(0, dtype=dtype).element_size(), context)
+        int8_weights = config.quantization == INT8_AT_LOAD
+        read = decode_step_bytes(mc, torch.empty(0, dtype=dtype).element_size(), context, int8_weights)
         bandwidth_s = (read.weights + read.kv) / read_bytes_per_s
-        rows.append({"dtype": name, "context": context, "step_ms": step_s * 1e3, "linear_floor_ms": linear_s * 1e3,
+        rows.append({"dtype": f"{name} int8" if int8_weights else name, "context": context,
+                     "step_ms": step_s * 1e3, "linear_floor_ms": linear_s * 1e3,
                      "bandwidth_floor_ms": bandwidth_s * 1e3, "weight_mb": read.weights / 1e6,
                      "kv_mb": read.kv / 1e6, "read_gb_per_s": read_bytes_per_s / 1e9,
                      "output_throughput": 1.0 / step_s})
@@ -114,10 +121,10 @@ def run_decode_floors(config: EngineConfig, dtypes: list[str], context: int, ste
 
 def format_decode_floors(rows: list[dict[str, float]]) -> str:
     lines = [f"=========== Batch-1 decode step (context {rows[0]['context']}) ===========",
-             f"{'dtype':<10}{'step ms':>9}{'linear ms':>11}{'bw floor ms':>13}{'step/linear':>13}"
+             f"{'dtype':<14}{'step ms':>9}{'linear ms':>11}{'bw floor ms':>13}{'step/linear':>13}"
              f"{'step/bw':>9}{'read MB':>9}{'GB/s':>7}"]
     for r in rows:
-        lines.append(f"{r['dtype']:<10}{r['step_ms']:>9.2f}{r['linear_floor_ms']:>11.2f}{r['bandwidth_floor_ms']:>13.2f}"
+        lines.append(f"{r['dtype']:<14}{r['step_ms']:>9.2f}{r['linear_floor_ms']:>11.2f}{r['bandwidth_floor_ms']:>13.2f}"
                      f"{r['step_ms'] / r['linear_floor_ms']:>12.2f}x{r['step_ms'] / r['bandwidth_floor_ms']:>8.2f}x"
                      f"{r['weight_mb'] + r['kv_mb']:>9.1f}{r['read_gb_per_s']:>7.1f}")
     lines.append("linear: the step's projections alone, one row each; bw floor: weights + K/V read once at the "

@@ -17,7 +17,7 @@ from services.engine.memory_arena import staggered_zeros
 from services.engine.models.config import load_model_config
 from services.engine.models.loader import load_model
 from services.engine.models.packed_linear import NATIVE_MAX_ROWS
-from services.engine.models.quantized_weights import check_requested
+from services.engine.models.quantized_weights import INT8_AT_LOAD, check_requested
 from services.engine.request import Request
 from services.engine.sampler import Sampler, token_logprobs
 from services.engine.sampling_params import SamplingParams
@@ -81,6 +81,9 @@ class ModelRunner:
         check_requested(config.quantization, mc.quantization, config.model)
         self.device = torch.device(config.device)
         self.dtype = mc.resolve_dtype(config.dtype, self.device)
+        if config.quantization == INT8_AT_LOAD and config.dtype == "auto" and self.dtype != torch.bfloat16:
+            log.info("--quantization int8 multiplies bfloat16 activations: the model runs in bfloat16 (--dtype auto)")
+            self.dtype = torch.bfloat16
         if not config.enforce_eager:
             use_inductor_cache_dir()
         self.block_size = config.block_size
@@ -89,9 +92,10 @@ class ModelRunner:
         self.attention = get_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
                                                mc.head_dim, self.dtype, self.device, config.block_size)
         loading = time.perf_counter()
-        self.model = load_model(config.model, mc, self.attention, self.max_model_len, self.dtype, self.device)
-        log.info("loaded %s in %s in %.1f s", config.model, str(self.dtype).removeprefix("torch."),
-                 time.perf_counter() - loading)
+        self.model = load_model(config.model, mc, self.attention, self.max_model_len, self.dtype, self.device,
+                                int8_weights=config.quantization == INT8_AT_LOAD)
+        log.info("loaded %s in %s%s in %.1f s", config.model, str(self.dtype).removeprefix("torch."),
+                 " with int8 weights" if config.quantization == INT8_AT_LOAD else "", time.perf_counter() - loading)
         self.graphs = None if config.enforce_eager else self._decode_graphs()
         self.scratch_block = self.num_kv_blocks  # padding rows' K/V; only with graphs
         pool_shape = (self.num_kv_blocks + (self.graphs is not None), self.block_size, mc.num_kv_heads, mc.head_dim)

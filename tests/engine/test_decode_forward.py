@@ -38,7 +38,10 @@ def checkpoint(request, tmp_path_factory):
 
 
 def make_runner(path, dtype: str) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(path), dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+    """``dtype`` "int8": bfloat16 with int8 weights (``--quantization int8``)."""
+    quantization = "int8" if dtype == "int8" else None
+    return ModelRunner(EngineConfig(model=str(path), dtype="bfloat16" if quantization else dtype,
+                                    quantization=quantization, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
                                     enforce_eager=True))
 
 
@@ -54,7 +57,7 @@ def prefill(runners: list[ModelRunner], prompt_lens: list[int]) -> tuple[list[Re
 
 
 @pytest.mark.slow  # parity over three architectures
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("min_chunk_tokens", [256, 4])  # 4: every context split in chunks, then merged
 # 4 rows; 21 rows, where bfloat16 projections take AMX tiles if the CPU has them (16 rows and a tail)
 @pytest.mark.parametrize("prompt_lens", [[1, 7, 30, 150], list(range(1, 64, 3))], ids=["4rows", "21rows"])
@@ -77,7 +80,7 @@ def test_native_step_matches_the_torch_forward(checkpoint, dtype, min_chunk_toke
         torch.testing.assert_close(v, v_expected, **TOLERANCE[native.dtype])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0], []], ids=["all", "some-reordered", "none"])
 def test_logits_in_the_native_call_are_the_heads_on_its_hidden_states(checkpoint, dtype, rows):
     """``DecodeStep.logits`` runs the model's head inside the step, on the rows asked for (a step's
@@ -138,7 +141,7 @@ def test_the_runner_routes_decode_and_prompt_steps_to_the_native_step(checkpoint
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_the_arena_holds_what_arena_bytes_per_row_says(checkpoint, dtype):
     """``arena_bytes_per_row`` is what bounds a step's rows (``max_rows``): a prompt step of R rows takes
     at most R times it, beside the head's few rows, and in float32 (x's packed copies at 4 bytes, as
@@ -158,7 +161,7 @@ def test_the_arena_holds_what_arena_bytes_per_row_says(checkpoint, dtype):
 
 
 @pytest.mark.slow  # parity over three architectures
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_steps_with_prompt_chunks_match_the_torch_forward(checkpoint, dtype):
     """Prompt chunks beside decoding requests in one native step: a whole prompt, the middle chunk of a
     longer one (its first chunk cached, its last to come, so it does not sample), a one-token chunk
@@ -166,7 +169,7 @@ def test_steps_with_prompt_chunks_match_the_torch_forward(checkpoint, dtype):
     forward: the same logits and the same K/V written, over a few steps."""
     native, torch_forward = make_runner(checkpoint, dtype), make_runner(checkpoint, dtype)
     torch_forward.decode_step = None
-    assert native.prompt_steps_run_natively or dtype == "bfloat16"  # bfloat16 keeps SDPA on a CPU with AMX
+    assert native.prompt_steps_run_natively or dtype != "float32"  # bfloat16 keeps SDPA on a CPU with AMX
     if not native.prompt_steps_run_natively:
         pytest.skip("bfloat16 prefill attention runs SDPA on this CPU")
     decoding, tables = prefill([native, torch_forward], [3, 30, 70])

@@ -277,5 +277,5 @@ def test_the_quantization_flag_is_checked_against_the_checkpoint():
     check_requested("gptq_marlin", gptq, "ckpt")
     with pytest.raises(ValueError, match="does not match ckpt's quantization method 'gptq'"):
         check_requested("awq", gptq, "ckpt")
-    with pytest.raises(ValueError, match="ckpt is not quantized, and quantizing it at load is not supported"):
+    with pytest.raises(ValueError, match="ckpt is not quantized, and the only quantization at load is .int8."):
         check_requested("fp8", None, "ckpt")

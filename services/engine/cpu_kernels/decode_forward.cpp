@@ -54,6 +54,12 @@ struct LayerWeights {
   void* k_cache;             // [num_blocks, block_size, kv_heads, D], contiguous
   void* v_cache;
   int64_t window;            // 0: the whole context
+  // int8 weights (bfloat16 models with --quantization int8): each projection's float32 scale per
+  // output, its blocked weight int8 in bfloat16's layout (linear_panels.h); null: weights of the dtype
+  const float* qkv_scales;
+  const float* o_scales;
+  const float* gate_up_scales;
+  const float* down_scales;
 };
 
 struct ModelWeights {
@@ -67,6 +73,7 @@ struct ModelWeights {
   const void* logits;       // blocked [vocab, H] (the head, tied or not), or null: no logits here
   const void* logits_bias;  // [vocab] or null
   int64_t vocab;
+  const float* logits_scales;  // [vocab] for an int8 head, else null
 };
 
 struct StepInputs {
@@ -91,12 +98,14 @@ struct StepInputs {
 // x[m, k] W^T from inside the parallel region (a phase of `split`), each row's float32 sums handed to
 // `store(row, first_out, acc, num_outs)`. `packed` holds max(m, 16) * (k + 1) elements: x in the layout
 // of the panel kernels, skipped for one row where that layout is x itself, or the AMX path's last
-// partial tile of rows.
+// partial tile of rows. With `scales` (bfloat16 only), W is int8 and each output's sums are scaled;
+// x then goes to it as int16 blocks (pack_x_i8_pass), or as it is to the AMX tiles.
 template <typename T, typename Split, typename Store>
-void linear_into(const T* x, int64_t m, int64_t k, const void* blocked, int64_t n, typename Elem<T>::Packed* packed,
-                 Split& split, Store store) {
+void linear_into(const T* x, int64_t m, int64_t k, const void* blocked, const float* scales, int64_t n,
+                 typename Elem<T>::Packed* packed, Split& split, Store store) {
   using P = typename Elem<T>::Packed;
   if constexpr (std::is_same_v<T, float>) {
+    (void)scales;  // (int8 weights serve bfloat16 models only)
     const float* xp = x;
     if (m > 1) {
       split.items(passes_of(m), 1, [&](int64_t pass) {
@@ -107,9 +116,25 @@ void linear_into(const T* x, int64_t m, int64_t k, const void* blocked, int64_t 
     run_panels_f32(xp, m, k, static_cast<const float*>(blocked), k * kPanel, k, n, store, split);
   } else {
     const int64_t k_pairs = (k + 1) / 2;
+    const int8_t* int8_blocked = scales ? static_cast<const int8_t*>(blocked) : nullptr;
+    auto scaled = [&](int64_t row, int64_t first_out, const float* acc, int num_outs) {
+      alignas(64) float sums[kPanel];
+      for (int o = 0; o < num_outs; ++o) sums[o] = acc[o] * scales[first_out + o];
+      store(row, first_out, sums, num_outs);
+    };
     if (amx_serves(m, k)) {
-      run_panels_amx(x, m, k, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs, n,
-                     reinterpret_cast<uint16_t*>(packed), store, split);
+      if (int8_blocked)
+        run_panels_amx(x, m, k, int8_blocked, k_pairs * 2 * kPanel, k_pairs, n, reinterpret_cast<uint16_t*>(packed),
+                       scaled, split);
+      else
+        run_panels_amx(x, m, k, static_cast<const uint16_t*>(blocked), k_pairs * 2 * kPanel, k_pairs, n,
+                       reinterpret_cast<uint16_t*>(packed), store, split);
+      return;
+    }
+    if (int8_blocked) {  // x as int16 blocks (linear_panels.h)
+      int16_t* x16 = reinterpret_cast<int16_t*>(packed);
+      split.items(passes_of(m), 1, [&](int64_t pass) { pack_x_i8_pass(x16, x, m, k, k, pass); });
+      run_panels<PanelI8>(x16, m, x_i8_row_stride(k), int8_blocked, k_pairs * 2 * kPanel, k_pairs, n, scaled, split);
       return;
     }
     const P* xp = reinterpret_cast<const P*>(x);
@@ -124,10 +149,10 @@ void linear_into(const T* x, int64_t m, int64_t k, const void* blocked, int64_t 
 
 // y[m, n] = x[m, k] W^T + b in T (linear_into).
 template <typename T, typename Split>
-void linear(const T* x, int64_t m, int64_t k, const void* blocked, const void* bias, int64_t n, T* y,
-            typename Elem<T>::Packed* packed, Split& split) {
+void linear(const T* x, int64_t m, int64_t k, const void* blocked, const float* scales, const void* bias, int64_t n,
+            T* y, typename Elem<T>::Packed* packed, Split& split) {
   const T* b = static_cast<const T*>(bias);
-  linear_into<T>(x, m, k, blocked, n, packed, split, [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
+  linear_into<T>(x, m, k, blocked, scales, n, packed, split, [=](int64_t row, int64_t first_out, const float* acc, int num_outs) {
     T* out = y + row * n + first_out;
 #ifdef STRATA_AVX512
     // one panel's outputs (num_outs <= 16) in one vector: the scalar loop took ~5% of a 64-row step
@@ -211,7 +236,9 @@ struct LayerBuffers {
     packed_down = arena.take<P>(packed_size(m, inter));
     partials = arena.take<Partial>(num_partials);
   }
-  static int64_t packed_size(int64_t m, int64_t k) { return std::max(m, kTileRows) * (k + 1); }
+  // x packed for the panel kernels (k + 1 elements a row), or an int8 model's int16 blocks of x (two bytes
+  // an element and a float32 scale per 32: x_i8_row_stride(k) <= k + k / 16 + 34 int16)
+  static int64_t packed_size(int64_t m, int64_t k) { return std::max(m, kTileRows) * (k + k / 16 + 35); }
 };
 
 template <typename T>
@@ -306,7 +333,7 @@ void decode_step(const ModelWeights& mw, const StepInputs& in, StepArena& arena)
       const LayerBuffers<T>& before = sets[(l + 1) % 2];
       add_and_norm(l == 0 ? nullptr : before.residual_post, before.down, lw.input_norm,
                    b.residual_in, b.x_in, split);
-      linear(b.x_in, m, hidden, lw.qkv, lw.qkv_bias, qkv_size, b.qkv, b.packed_qkv, split);
+      linear(b.x_in, m, hidden, lw.qkv, lw.qkv_scales, lw.qkv_bias, qkv_size, b.qkv, b.packed_qkv, split);
 
       // Rotary on the q heads (into q) and the k heads, then the new token's K and V into the pools.
       const int64_t heads_per_row = mw.num_heads + 2 * mw.num_kv_heads;
@@ -337,10 +364,10 @@ void decode_step(const ModelWeights& mw, const StepInputs& in, StepArena& arena)
         for (int64_t i = r * q_size; i < (r + 1) * q_size; ++i) b.attn[i] = E::store(b.attn_f32[i]);
 #endif
       });
-      linear(b.attn, m, q_size, lw.o, lw.o_bias, hidden, b.o, b.packed_o, split);
+      linear(b.attn, m, q_size, lw.o, lw.o_scales, lw.o_bias, hidden, b.o, b.packed_o, split);
 
       add_and_norm(b.residual_in, b.o, lw.post_norm, b.residual_post, b.x_post, split);
-      linear(b.x_post, m, hidden, lw.gate_up, lw.gate_up_bias, 2 * inter, b.gate_up,
+      linear(b.x_post, m, hidden, lw.gate_up, lw.gate_up_scales, lw.gate_up_bias, 2 * inter, b.gate_up,
              b.packed_gate_up, split);
       const int64_t spans = (inter + kActivationSpan - 1) / kActivationSpan;
       split.items(m * spans, grab(m * spans), [&](int64_t item) {
@@ -349,7 +376,7 @@ void decode_step(const ModelWeights& mw, const StepInputs& in, StepArena& arena)
         silu_mul(row + first, row + inter + first, b.act + r * inter + first,
                  std::min(kActivationSpan, inter - first));
       });
-      linear(b.act, m, inter, lw.down, lw.down_bias, hidden, b.down, b.packed_down, split);
+      linear(b.act, m, inter, lw.down, lw.down_scales, lw.down_bias, hidden, b.down, b.packed_down, split);
     }
     split.begin_epoch(mw.num_layers);
     const LayerBuffers<T>& last = sets[(mw.num_layers + 1) % 2];
@@ -364,7 +391,7 @@ void decode_step(const ModelWeights& mw, const StepInputs& in, StepArena& arena)
         rows = picked;
       }
       const T* bias = static_cast<const T*>(mw.logits_bias);
-      linear_into<T>(rows, s, hidden, mw.logits, mw.vocab, packed_head, split,
+      linear_into<T>(rows, s, hidden, mw.logits, mw.logits_scales, mw.vocab, packed_head, split,
                      [&](int64_t row, int64_t first_out, const float* acc, int num_outs) {
                        float* logit = in.logits + row * mw.vocab + first_out;
 #ifdef STRATA_AVX512

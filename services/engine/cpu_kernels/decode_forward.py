@@ -12,20 +12,21 @@ measured on a 2-core Zen 3 at batch 1 (small shape, alternating in one process),
 per bfloat16 step of 2.4-3.6 ms, up to 0.1 ms per float32 step of ~5 ms.
 
 It serves decode steps, and steps with prompt chunks (prefill, chunked or not) beside the decoding
-requests, float32 or bfloat16, on the CPU; the model runner keeps the torch forward for everything
-else. Every intermediate is rounded where the torch forward rounds it, so the two agree to float32
-summation order (tested against it and against HF). A step with prompt chunks, as a chain of torch
-operations, was one OpenMP region per operation with a barrier at its end: on cores shared with the
-gateway, the tokenizer and the clients, a thread that lost its core held the other at each barrier;
-here the threads share each phase's items, and a thread taken away is taken over (``work_split.h``).
-Its GEMMs run on the native panel kernels, 2-6% below oneDNN's on the small shape at 2,048 rows in
-the same process on a 2-core Zen 4 (float32 199-207 against 196-215 GFLOP/s, bfloat16 373-414 against
-398-429). On a 2-vCPU Xeon with AMX they fall behind from a few hundred rows (bfloat16 on the tiles:
-the small shape's four projections 1.00-1.02x oneDNN's time at 256-512 rows, 1.16x at 1,024, 1.59x at
-2,048), so a step of more than ``MAX_NATIVE_ROWS`` rows runs the torch forward (oneDNN's GEMMs, the same
-native attention): ``strata bench offline`` (64 prompts of 64-512 tokens, mostly prefill) ran 3,330 tok/s
-in bfloat16 with every prompt step native and 3,570-3,770 with those past 512 rows on the torch forward
-(float32 1,280 against 1,390-1,510), two to four runs each, 256 and 768 rows within the noise of 512.
+requests, float32 or bfloat16 (with int8 weights too: ``models/int8_linear``), on the CPU; the model
+runner keeps the torch forward for everything else. Every intermediate is rounded where the torch
+forward rounds it, so the two agree to float32 summation order (tested against it and against HF). A
+step with prompt chunks, as a chain of torch operations, was one OpenMP region per operation with a
+barrier at its end: on cores shared with the gateway, the tokenizer and the clients, a thread that lost
+its core held the other at each barrier; here the threads share each phase's items, and a thread taken
+away is taken over (``work_split.h``). Its GEMMs run on the native panel kernels, 2-6% below oneDNN's
+on the small shape at 2,048 rows in the same process on a 2-core Zen 4 (float32 199-207 against 196-215
+GFLOP/s, bfloat16 373-414 against 398-429). On a 2-vCPU Xeon with AMX they fall behind from a few
+hundred rows (bfloat16 on the tiles: the small shape's four projections 1.00-1.02x oneDNN's time at
+256-512 rows, 1.16x at 1,024, 1.59x at 2,048), so a step of more than ``MAX_NATIVE_ROWS`` rows runs the
+torch forward (oneDNN's GEMMs, the same native attention): ``strata bench offline`` (64 prompts of
+64-512 tokens, mostly prefill) ran 3,330 tok/s in bfloat16 with every prompt step native and
+3,570-3,770 with those past 512 rows on the torch forward (float32 1,280 against 1,390-1,510), two to
+four runs each, 256 and 768 rows within the noise of 512.
 
 Memory: the step's buffers (every activation of a layer, in two sets that the layers alternate
 between, see ``decode_forward.cpp``) come from an arena each ``DecodeStep`` keeps at the size of the
@@ -57,14 +58,16 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 class _LayerWeights(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("qkv", _ptr), ("qkv_bias", _ptr), ("o", _ptr), ("o_bias", _ptr),
                 ("post_norm", _ptr), ("gate_up", _ptr), ("gate_up_bias", _ptr), ("down", _ptr),
-                ("down_bias", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64)]
+                ("down_bias", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64),
+                ("qkv_scales", _ptr), ("o_scales", _ptr), ("gate_up_scales", _ptr), ("down_scales", _ptr)]
 
 
 class _ModelWeights(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("embed", _ptr), ("final_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("layers", ctypes.POINTER(_LayerWeights)), ("logits", _ptr), ("logits_bias", _ptr), ("vocab", _i64)]
+                ("layers", ctypes.POINTER(_LayerWeights)), ("logits", _ptr), ("logits_bias", _ptr), ("vocab", _i64),
+                ("logits_scales", _ptr)]
 
 
 class _StepInputs(ctypes.Structure):
@@ -106,8 +109,11 @@ def arena_bytes_per_row(mc, dtype: torch.dtype) -> int:
     hidden, q_size, inter = mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size
     qkv_size = q_size + 2 * mc.num_kv_heads * mc.head_dim
     element = torch.empty(0, dtype=dtype).element_size()
+    def packed(k: int) -> int:  # LayerBuffers::packed_size's elements of a row
+        return k + k // 16 + 35
+
     per_set = ((6 * hidden + qkv_size + 2 * q_size + 3 * inter) * element + 4 * q_size
-               + 4 * (2 * (hidden + 1) + (q_size + 1) + (inter + 1)))
+               + 4 * (2 * packed(hidden) + packed(q_size) + packed(inter)))
     return 2 * per_set + hidden * element
 
 
@@ -174,6 +180,7 @@ class DecodeStep:
                                  ("down", mlp.down_proj)):
                 setattr(slot, name, linear.blocked.data_ptr())
                 setattr(slot, f"{name}_bias", _pointer(linear.bias))
+                setattr(slot, f"{name}_scales", _pointer(getattr(linear, "scales", None)))  # int8 weights
             slot.input_norm = layer.input_layernorm.weight.data_ptr()
             slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             slot.k_cache, slot.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -189,6 +196,7 @@ class DecodeStep:
         self.vocab_size = self._weights.vocab = head.out_features
         self._logits = torch.empty(0, self.vocab_size)
         self._weights.logits, self._weights.logits_bias = head.blocked.data_ptr(), _pointer(head.bias)
+        self._weights.logits_scales = _pointer(getattr(head, "scales", None))
         self._keep = (model, kv_caches)  # the tensors the pointers point into
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -13,6 +13,13 @@ tile state), on the same blocked weight (``uses_amx``): 64 rows of the small sha
 went from 16.2 ms to 2.7 ms, two threads, on a 2-core Xeon with AMX.
 
 ``small_m_linear`` is also the custom op ``strata::small_m_linear``, opaque to ``torch.compile``.
+
+**int8 weights** (``--quantization int8``, weight-only): ``quantize_int8`` rounds a weight to int8
+with a float32 scale per output row (symmetric: the row's largest magnitude maps to 127) and blocks the
+integers in bfloat16's layout; ``int8_linear`` multiplies bfloat16 ``x`` by them, each pair of a panel
+turned into bfloat16 in registers (exact: an integer of at most 7 bits), the float32 sums scaled per
+output before the bias. A few rows then stream half the bytes; from a few rows up, on AMX, each panel
+is turned into bfloat16 once for all the rows (``linear_panels.h``).
 """
 
 import ctypes
@@ -33,6 +40,8 @@ def _library() -> ctypes.CDLL | None:
     if library is not None and library.linear_f32.argtypes is None:
         for function in (library.linear_f32, library.linear_bf16):
             function.argtypes, function.restype = _ARGTYPES, None
+        library.linear_bf16_i8.argtypes = _ARGTYPES[:4] + [ctypes.c_void_p] + _ARGTYPES[4:]
+        library.linear_bf16_i8.restype = None
         library.linear_bf16_uses_amx.argtypes = [ctypes.c_int64, ctypes.c_int64]
         library.linear_bf16_uses_amx.restype = ctypes.c_int32
     return library
@@ -111,6 +120,72 @@ _op = torch.library.custom_op("strata::small_m_linear", _launch, mutates_args=()
 
 @_op.register_fake
 def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` (any float dtype) as int8 for ``int8_linear``: the integers ``round(W / s)``
+    blocked as bfloat16's (``[ceil(N/16), ceil(K/2), 16, 2]``, padding zeros) and the float32 scales
+    ``s [N]`` (a row's largest magnitude over 127; 1 for a row of zeros). Dequantized, a weight is
+    ``q * s`` (``dequantize_int8``)."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_int8 takes a 2-d float weight, not {weight.dtype} {tuple(weight.shape)}")
+    w = weight.float()
+    largest = w.abs().amax(dim=1)
+    scales = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+    q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
+    n, k = q.shape
+    num_panels, k_pairs = -(-n // PANEL), -(-k // 2)
+    padded = F.pad(q, (0, 2 * k_pairs - k, 0, num_panels * PANEL - n))
+    return padded.view(num_panels, PANEL, k_pairs, 2).transpose(1, 2).contiguous(), scales.contiguous()
+
+
+def dequantize_int8(blocked: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[out_features, in_features]`` weight ``q * s`` that ``quantize_int8`` made, in ``dtype``."""
+    return (unblock_weight(blocked, out_features, in_features).float() * scales[:, None]).to(dtype)
+
+
+def int8_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    """``x [M, K] @ (s * Q)^T + bias -> [M, out_features]`` in bfloat16, ``(Q, s)`` from ``quantize_int8``;
+    the sums in float32, scaled before the bias is added. A compiled caller gets ``strata::int8_linear``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.strata.int8_linear(x, blocked, scales, bias, out_features)
+    return _launch_int8(x, blocked, scales, bias, out_features)
+
+
+def _launch_int8(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:
+    library = _library()
+    if library is None:
+        raise RuntimeError("the native CPU linear kernel is not available here (no C++ compiler?); check can_run()")
+    m, k = x.shape
+    expected_blocked = (-(-out_features // PANEL), -(-k // 2), PANEL, 2)
+    if x.dtype != torch.bfloat16 or blocked.dtype != torch.int8 or blocked.shape != expected_blocked \
+            or not blocked.is_contiguous():
+        raise ValueError(f"int8_linear: x {x.dtype} {tuple(x.shape)} does not fit the int8 weight {blocked.dtype} "
+                         f"{tuple(blocked.shape)} of {out_features} outputs (expected bfloat16 x, int8 {expected_blocked})")
+    if scales.dtype != torch.float32 or scales.shape != (out_features,) or not scales.is_contiguous():
+        raise ValueError(f"int8_linear: scales {scales.dtype} {tuple(scales.shape)} should be float32 ({out_features},)")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,) or not bias.is_contiguous()):
+        raise ValueError(f"int8_linear: bias {bias.dtype} {tuple(bias.shape)} should be bfloat16 ({out_features},)")
+    if x.device.type != "cpu":
+        raise ValueError(f"int8_linear runs on the CPU, x is on {x.device}")
+    if x.stride(1) != 1 and k > 1:
+        x = x.contiguous()
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    library.linear_bf16_i8(x.data_ptr(), m, x.stride(0), blocked.data_ptr(), scales.data_ptr(),
+                           bias.data_ptr() if bias is not None else None, out_features, k, y.data_ptr(), y.stride(0))
+    return y
+
+
+_int8_op = torch.library.custom_op("strata::int8_linear", _launch_int8, mutates_args=())
+
+
+@_int8_op.register_fake
+def _(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+      out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -344,6 +345,158 @@ void panel_group_bf16(const XElement* x_pass, const uint16_t* panel, int64_t pan
     for (int j = 0; j < NP; ++j) panel_bf16<MR>(x_pass, panel + j * panel_elems, k_pairs, acc + j * kRowsPerPass);
 }
 
+// ---- int8 weights (weight-only quantization) ----
+//
+// With `--quantization int8` a projection keeps its weight as int8 in bfloat16's blocked layout
+// ([panels][K pairs][16][2], each weight its integer q, |q| <= 127) beside a float32 scale per output:
+// y[o] = scale[o] * sum_k x[k] q[o][k], the sums' scale applied by the caller. A few rows read half the
+// bytes of bfloat16's, and turning each weight into bfloat16 (three conversions per 32 weights) would
+// cost more than the read: measured on the 2-vCPU Xeon, one row over a Qwen2.5-0.5B-shaped model's
+// projections, 15.5 GB/s of int8 against 22.7 of bfloat16, 1.36x bfloat16's speed where the bytes
+// allow 2x. So the weights stay integers, widened to int16 (one instruction per 32), and x comes to
+// them as int16 too: each block of kXBlock elements of a row scaled by a power of two that puts its
+// largest magnitude just under 2^15. A bfloat16 value has 8 significant bits, so every element within
+// 2^7 of its block's largest converts exactly, and a smaller one is rounded at 2^-15 of that largest
+// (below the bfloat16 rounding of the output). A block's products sum exactly in int32
+// (_mm512_dpwssd_epi32), and the block's sum times its scale joins the float32 total.
+//
+// From a few rows up, on AMX, run_panels_amx turns each panel into bfloat16 once for all the rows
+// instead (i8_to_bf16), exactly.
+
+constexpr int64_t kXBlockPairs = 16;                   // K pairs of x per scale (32 elements)
+constexpr int64_t kXBlockWords = 2 * kXBlockPairs + 2;  // int16 per row of a block: its pairs, its float scale
+
+// x for panel_i8, pass by pass as the other kernels' x, each pass of `rows` rows cut into blocks of
+// kXBlockPairs K pairs: [block][K pair][row][2] int16, then the block's [row] float32 scales. A row's
+// share of a pass: blocks * kXBlockWords int16 (x_i8_row_stride).
+inline int64_t x_i8_row_stride(int64_t k) { return (k + 2 * kXBlockPairs - 1) / (2 * kXBlockPairs) * kXBlockWords; }
+
+// Packs pass `pass_index` of bfloat16 x [m, k] (rows x_stride apart) for panel_i8 (see above).
+inline void pack_x_i8_pass(int16_t* packed, const uint16_t* x, int64_t m, int64_t x_stride, int64_t k,
+                           int64_t pass_index) {
+    const int64_t r0 = pass_index * kRowsPerPass, rows = std::min<int64_t>(kRowsPerPass, m - r0);
+    const int64_t block_elems = 2 * kXBlockPairs, blocks = x_i8_row_stride(k) / kXBlockWords;
+    int16_t* pass = packed + r0 * x_i8_row_stride(k);
+    for (int64_t b = 0; b < blocks; ++b) {
+        int16_t* block = pass + b * kXBlockWords * rows;
+        float* scales = reinterpret_cast<float*>(block + block_elems * rows);
+        const int64_t first = b * block_elems, count = std::min(block_elems, k - first);
+        for (int64_t i = 0; i < rows; ++i) {
+            const uint16_t* from = x + (r0 + i) * x_stride + first;
+#ifdef STRATA_AVX512
+            // the block as two vectors of 16 float32 (zeros past k), and its largest biased exponent
+            const __mmask32 valid = count >= 32 ? __mmask32(~0u) : __mmask32((1u << count) - 1);
+            const __m512i bits = _mm512_maskz_loadu_epi16(valid, from);
+            const __m512i exponents = _mm512_and_si512(bits, _mm512_set1_epi16(0x7f80));
+            const __m512i widest = _mm512_max_epu16(_mm512_unpacklo_epi16(exponents, _mm512_setzero_si512()),
+                                                    _mm512_unpackhi_epi16(exponents, _mm512_setzero_si512()));
+            const int largest = _mm512_reduce_max_epi32(widest) >> 7;
+#else
+            int largest = 0;  // the block's largest biased exponent
+            for (int64_t j = 0; j < count; ++j) largest = std::max(largest, (from[j] >> 7) & 0xff);
+#endif
+            // x * 2^shift has its largest magnitude under 2^15 (a biased exponent E: under 2^(E - 126)).
+            // A block of magnitudes under 2^-113 (or subnormal) counts as zeros; one holding an inf or a
+            // NaN gets a NaN scale, which its outputs then show.
+            const int shift = 141 - largest;
+            const bool zeros = largest < 14, special = largest == 0xff;
+            const float up = zeros || special ? 0.0f : std::ldexp(1.0f, shift);
+            scales[i] = special ? NAN : zeros ? 0.0f : std::ldexp(1.0f, -shift);
+#ifdef STRATA_AVX512
+            // as int16, rounded to nearest even (exact within 2^7 of the largest)
+            alignas(64) int16_t row[2 * kXBlockPairs];
+            const __m512 factor = _mm512_set1_ps(up);
+            for (int half = 0; half < 2; ++half) {
+                const __m256i h = half ? _mm512_extracti64x4_epi64(bits, 1) : _mm512_castsi512_si256(bits);
+                const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * half),
+                                   _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, factor))));
+            }
+            if (rows == 1) {
+                std::memcpy(block, row, sizeof(row));
+                continue;
+            }
+            for (int64_t j = 0; j < kXBlockPairs; ++j) std::memcpy(block + (j * rows + i) * 2, row + 2 * j, 4);
+#else
+            for (int64_t j = 0; j < block_elems; ++j)
+                block[((j / 2) * rows + i) * 2 + j % 2] =
+                    j < count ? int16_t(std::nearbyint(bf16_to_f32(from[j]) * up)) : int16_t(0);
+#endif
+        }
+    }
+}
+
+// acc[i][o] = sum_k x[i][k] * q[o][k] over an int8 panel, x from pack_x_i8_pass (each block's int32
+// sums times its scale).
+template <int MR>
+void panel_i8(const int16_t* x_pass, const int8_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    constexpr int chains = MR == 1 ? kChains : 1;  // one row: independent sums, not one chain of latencies
+    __m512 total[MR];
+    for (int i = 0; i < MR; ++i) total[i] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < k_pairs; b0 += kXBlockPairs) {
+        const int16_t* block = x_pass + b0 / kXBlockPairs * kXBlockWords * MR;
+        const float* scales = reinterpret_cast<const float*>(block + 2 * kXBlockPairs * MR);
+        const int64_t pairs = std::min(kXBlockPairs, k_pairs - b0);
+        __m512i sum[chains][MR];
+        for (int c = 0; c < chains; ++c)
+            for (int i = 0; i < MR; ++i) sum[c][i] = _mm512_setzero_si512();
+        for (int64_t j = 0; j < pairs; ++j) {
+            const int8_t* w8 = panel + (b0 + j) * 2 * kPanel;
+            prefetch<MR>(w8);
+            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w8)));
+            for (int i = 0; i < MR; ++i) {
+                int32_t pair;
+                std::memcpy(&pair, block + (j * MR + i) * 2, 4);
+                sum[j % chains][i] = _mm512_dpwssd_epi32(sum[j % chains][i], _mm512_set1_epi32(pair), w);
+            }
+        }
+        for (int i = 0; i < MR; ++i) {
+            __m512i block_sum = sum[0][i];
+            for (int c = 1; c < chains; ++c) block_sum = _mm512_add_epi32(block_sum, sum[c][i]);
+            total[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sum), _mm512_set1_ps(scales[i]), total[i]);
+        }
+    }
+    for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], total[i]);
+#else
+    for (int i = 0; i < MR; ++i) std::fill(acc[i], acc[i] + kPanel, 0.0f);
+    for (int64_t b0 = 0; b0 < k_pairs; b0 += kXBlockPairs) {
+        const int16_t* block = x_pass + b0 / kXBlockPairs * kXBlockWords * MR;
+        const float* scales = reinterpret_cast<const float*>(block + 2 * kXBlockPairs * MR);
+        const int64_t pairs = std::min(kXBlockPairs, k_pairs - b0);
+        int32_t sum[MR][kPanel] = {};
+        for (int64_t j = 0; j < pairs; ++j) {
+            const int8_t* w = panel + (b0 + j) * 2 * kPanel;
+            prefetch<MR>(w);
+            for (int i = 0; i < MR; ++i) {
+                const int32_t x_even = block[(j * MR + i) * 2], x_odd = block[(j * MR + i) * 2 + 1];
+                for (int o = 0; o < kPanel; ++o) sum[i][o] += x_even * w[2 * o] + x_odd * w[2 * o + 1];
+            }
+        }
+        for (int i = 0; i < MR; ++i)
+            for (int o = 0; o < kPanel; ++o) acc[i][o] += float(sum[i][o]) * scales[i];
+    }
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// The 32 int8 weights of a panel's K pair (16 outputs x 2) as 32 bfloat16, in their order.
+inline __m512bh pairs_i8_to_bf16(const int8_t* w) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
+
+// `count` int8 weights (a multiple of 32) as bfloat16, into `to` (for the AMX tiles).
+inline void i8_to_bf16(const int8_t* from, int64_t count, uint16_t* to) {
+#if defined(__AVX512BF16__)
+    for (int64_t i = 0; i < count; i += 32) _mm512_storeu_si512(to + i, (__m512i)pairs_i8_to_bf16(from + i));
+#else
+    for (int64_t i = 0; i < count; ++i) to[i] = f32_to_bf16(float(from[i]));
+#endif
+}
+
 // Runs `panel_kernel<MR>` for a pass of `rows` (1..kRowsPerPass) rows.
 template <template <int> class PanelKernel, typename... Args>
 void dispatch_rows(int rows, Args... args) {
@@ -393,6 +546,13 @@ struct PanelGroupBF16 {
             panel_group_bf16<MR, NP>(x_pass, panel, panel_elems, k_pairs, acc, ahead, ahead_lines);
         }
     };
+};
+
+template <int MR>
+struct PanelI8 {
+    static void run(const int16_t* x_pass, const int8_t* panel, int64_t k_pairs, float (*acc)[kPanel]) {
+        panel_i8<MR>(x_pass, panel, k_pairs, acc);
+    }
 };
 
 inline int64_t passes_of(int64_t m) { return (m + kRowsPerPass - 1) / kRowsPerPass; }
@@ -489,7 +649,8 @@ template <template <int> class PanelKernel, typename XT, typename WT, typename S
 void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* blocked, int64_t panel_elems,
                 int64_t k_steps, int64_t n, Store store, Split& split) {
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
-    split.items(num_panels, kPanelsPerGrab, [&](int64_t p) {
+    // (int8 panels are half as long as bfloat16's: twice as many make a run as long)
+    split.items(num_panels, sizeof(WT) == 1 ? 2 * kPanelsPerGrab : kPanelsPerGrab, [&](int64_t p) {
         alignas(64) float acc[kRowsPerPass][kPanel];
         const int64_t first_out = p * kPanel;
         const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
@@ -682,9 +843,11 @@ inline bool amx_serves(int64_t m, int64_t k) {
 
 // As run_panels for bfloat16, on AMX (only where amx_serves): x [m, 2 * k_pairs] as it lies, rows
 // x_stride elements apart. `scratch` holds 16 * 2 * k_pairs elements: the last, partial tile of rows,
-// zero-padded, since a tile load reads 16 rows.
-template <typename Store, typename Split>
-void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t* blocked, int64_t panel_elems,
+// zero-padded, since a tile load reads 16 rows. The weight is bfloat16 (WT uint16_t) or int8 (the
+// int8 kernels' layout and sums: each pair of panels turned into bfloat16 once, into a buffer of the
+// thread's, then every row against it).
+template <typename WT, typename Store, typename Split>
+void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const WT* blocked, int64_t panel_elems,
                     int64_t k_pairs, int64_t n, uint16_t* scratch, Store store, Split& split) {
 #ifdef STRATA_AMX
     const int64_t k = 2 * k_pairs, full_tiles = m / kTileRows, tail_rows = m % kTileRows;
@@ -709,38 +872,54 @@ void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const uint16
     // read all of x once per panel: at 2,048 rows, 2 MB per panel from beyond L2, and the small shape's
     // projections ran 3x slower than oneDNN's.) Up to 64 rows, four row tiles against one panel
     // (panel_amx: the weight streams in once for all the rows); past that, two by two (panels_amx).
+    // int8 weights take panels outermost instead, each pair turned into bfloat16 once (up to 64 rows,
+    // one group of row tiles, the same order).
     const bool by_pairs = row_tiles > kMaxRowTiles;
     const int64_t group_tiles = by_pairs ? 2 : kMaxRowTiles, group_panels = by_pairs ? 2 : 1;
     split.items(num_runs, 1, [&](int64_t run) {
         if (!configured) configure_tiles(), configured = true;
         alignas(64) float acc[kMaxRowTiles * kTileRows][kPanel];
         const int64_t last_panel = std::min(num_panels, (run + 1) * kAmxPanelsPerGrab);
-        for (int64_t t0 = 0; t0 < row_tiles; t0 += group_tiles) {
+        // The row tiles from t0 against `panels` panels from p (their bfloat16 at `panel`), and their rows stored.
+        auto rows_against = [&](int64_t t0, int64_t p, const uint16_t* const* panel, int panels) {
             const int tiles = int(std::min<int64_t>(group_tiles, row_tiles - t0));
             const uint16_t* a[kMaxRowTiles];
             int64_t a_stride[kMaxRowTiles];
             for (int t = 0; t < tiles; ++t) a[t] = tile_rows(t0 + t), a_stride[t] = tile_stride(t0 + t);
             const int64_t rows = std::min<int64_t>(tiles * kTileRows, m - t0 * kTileRows);
+            switch (by_pairs ? 4 + 2 * tiles + panels : tiles) {  // acc: panel q's rows from q * tiles * 16
+                case 1: panel_amx<1>(a, a_stride, panel[0], k_pairs, acc); break;
+                case 2: panel_amx<2>(a, a_stride, panel[0], k_pairs, acc); break;
+                case 3: panel_amx<3>(a, a_stride, panel[0], k_pairs, acc); break;
+                case 4: panel_amx<4>(a, a_stride, panel[0], k_pairs, acc); break;
+                case 7: panels_amx<1, 1>(a, a_stride, panel, k_pairs, acc); break;
+                case 8: panels_amx<1, 2>(a, a_stride, panel, k_pairs, acc); break;
+                case 9: panels_amx<2, 1>(a, a_stride, panel, k_pairs, acc); break;
+                default: panels_amx<2, 2>(a, a_stride, panel, k_pairs, acc); break;
+            }
+            for (int q = 0; q < panels; ++q) {
+                const int64_t first_out = (p + q) * kPanel;
+                const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
+                for (int64_t i = 0; i < rows; ++i)
+                    store(t0 * kTileRows + i, first_out, acc[q * tiles * kTileRows + i], num_outs);
+            }
+        };
+        if constexpr (std::is_same_v<WT, int8_t>) {
+            thread_local std::vector<uint16_t> converted;
+            converted.resize(size_t(2 * panel_elems));
             for (int64_t p = run * kAmxPanelsPerGrab; p < last_panel; p += group_panels) {
                 const int panels = int(std::min<int64_t>(group_panels, last_panel - p));
-                const uint16_t* panel[2] = {blocked + p * panel_elems, blocked + (p + panels - 1) * panel_elems};
-                switch (by_pairs ? 4 + 2 * tiles + panels : tiles) {  // acc: panel q's rows from q * tiles * 16
-                    case 1: panel_amx<1>(a, a_stride, panel[0], k_pairs, acc); break;
-                    case 2: panel_amx<2>(a, a_stride, panel[0], k_pairs, acc); break;
-                    case 3: panel_amx<3>(a, a_stride, panel[0], k_pairs, acc); break;
-                    case 4: panel_amx<4>(a, a_stride, panel[0], k_pairs, acc); break;
-                    case 7: panels_amx<1, 1>(a, a_stride, panel, k_pairs, acc); break;
-                    case 8: panels_amx<1, 2>(a, a_stride, panel, k_pairs, acc); break;
-                    case 9: panels_amx<2, 1>(a, a_stride, panel, k_pairs, acc); break;
-                    default: panels_amx<2, 2>(a, a_stride, panel, k_pairs, acc); break;
-                }
-                for (int q = 0; q < panels; ++q) {
-                    const int64_t first_out = (p + q) * kPanel;
-                    const int num_outs = int(std::min<int64_t>(kPanel, n - first_out));
-                    for (int64_t i = 0; i < rows; ++i)
-                        store(t0 * kTileRows + i, first_out, acc[q * tiles * kTileRows + i], num_outs);
-                }
+                i8_to_bf16(blocked + p * panel_elems, panels * panel_elems, converted.data());
+                const uint16_t* panel[2] = {converted.data(), converted.data() + (panels - 1) * panel_elems};
+                for (int64_t t0 = 0; t0 < row_tiles; t0 += group_tiles) rows_against(t0, p, panel, panels);
             }
+        } else {
+            for (int64_t t0 = 0; t0 < row_tiles; t0 += group_tiles)
+                for (int64_t p = run * kAmxPanelsPerGrab; p < last_panel; p += group_panels) {
+                    const int panels = int(std::min<int64_t>(group_panels, last_panel - p));
+                    const uint16_t* panel[2] = {blocked + p * panel_elems, blocked + (p + panels - 1) * panel_elems};
+                    rows_against(t0, p, panel, panels);
+                }
         }
     });
     if (configured) _tile_release();

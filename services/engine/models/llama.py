@@ -10,6 +10,7 @@ from torch import nn
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.cpu_kernels import fused_ops
 from services.engine.models.config import ModelConfig
+from services.engine.models.int8_linear import Int8Linear, quantize_linears
 from services.engine.models.layers import GatedMLP, RMSNorm, empty_linear
 from services.engine.models.packed_linear import PackedLinear, pack_linears
 from services.engine.models.paged_attention_op import paged_attention
@@ -116,9 +117,15 @@ class LlamaForCausalLM(nn.Module):
             return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()  # [n, vocab]
         return self.lm_head(hidden).float()
 
-    def pack_linears(self) -> None:
+    def pack_linears(self, int8: bool = False) -> None:
         """After loading, on the CPU: every projection, the logits one included (tied or not), runs on
-        prepacked weights (see ``packed_linear``)."""
+        prepacked weights (see ``packed_linear``), or with ``int8`` on int8 ones (``int8_linear``; a tied
+        head gets its own int8 copy, the embeddings stay as they are)."""
+        if int8:
+            if self.lm_head is None:
+                self.lm_head = Int8Linear(self.model.embed_tokens.weight, None)
+            quantize_linears(self)
+            return
         pack_linears(self)
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None, weight_is_shared=True)

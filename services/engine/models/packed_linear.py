@@ -129,9 +129,9 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def blocked_weights_onto_huge_pages(model: nn.Module) -> int:
-    """Moves every ``PackedLinear``'s blocked weight in ``model`` into one arena on huge pages (see
-    ``memory_arena``); returns the bytes moved (0 where huge pages are not available)."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.blocked is not None]
+    """Moves every blocked weight in ``model`` (a ``PackedLinear``'s or an ``Int8Linear``'s) into one arena
+    on huge pages (see ``memory_arena``); returns the bytes moved (0 where huge pages are not available)."""
+    layers = [m for m in model.modules() if getattr(m, "blocked", None) is not None]
     if not layers or not memory_arena.huge_pages_available():
         return 0
     for layer, copy in zip(layers, memory_arena.copies_in_arena([m.blocked for m in layers]), strict=True):

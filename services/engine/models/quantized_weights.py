@@ -54,18 +54,24 @@ def check_supported(quantization: dict | None, source: str) -> None:
                                  f"{weights.get('num_bits')} bits) is not supported: int of 1-8 bits or float8")
 
 
+INT8_AT_LOAD = "int8"  # --quantization int8: weight-only int8 made at load (models/int8_linear)
 _KERNEL_NAMES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}  # vLLM's names for a kernel of a method
 
 
 def check_requested(requested: str | None, quantization: dict | None, source: str) -> None:
-    """``--quantization``, as vLLM checks it: the checkpoint's own method (or a vLLM kernel of it);
-    quantizing an unquantized checkpoint at load is not supported (nothing here would run faster)."""
+    """``--quantization``, as vLLM checks it: the checkpoint's own method (or a vLLM kernel of it), or
+    ``int8``, which rounds an unquantized checkpoint's projections to int8 as it loads (``int8_linear``)."""
     if requested is None:
         return
     method = (quantization or {}).get("quant_method")
+    if requested == INT8_AT_LOAD:
+        if method is not None:
+            raise ValueError(f"--quantization {requested} rounds an unquantized checkpoint's weights to int8 as they "
+                             f"load; {source} is quantized already ({method}): leave the flag out to serve it")
+        return
     if method is None:
-        raise ValueError(f"--quantization {requested}: {source} is not quantized, and quantizing it at load is "
-                         f"not supported (there are no low-bit kernels here); leave the flag out")
+        raise ValueError(f"--quantization {requested}: {source} is not quantized, and the only quantization at load is "
+                         f"{INT8_AT_LOAD!r} (weight-only, on the CPU); leave the flag out or pass {INT8_AT_LOAD}")
     if _KERNEL_NAMES.get(requested, requested) != method:
         raise ValueError(f"--quantization {requested} does not match {source}'s quantization method {method!r}; "
                          f"leave the flag out to use the checkpoint's")
