@@ -1,7 +1,7 @@
 """Weight-only int8 projections (``--quantization int8``): ``quantize_int8`` rounds a weight to int8 with a
 scale per output row, and ``int8_linear`` multiplies bfloat16 x by it as a float32 reference on the
-same integers does, over odd shapes and every path (x as int16 blocks for a few rows, AMX tiles from
-a few rows where the CPU has them), with x's dynamic range and non-finite values handled."""
+same integers does, over odd shapes and every path (x as int16 blocks up to 8 rows, AMX tiles from 9
+where the CPU has them), with x's dynamic range and non-finite values handled."""
 
 import math
 
@@ -91,7 +91,7 @@ def test_a_wide_range_within_a_block_of_x():
     assert ((y.float() - expected).abs() <= tolerance + torch.finfo(torch.bfloat16).eps * expected.abs()).all()
 
 
-@pytest.mark.parametrize("m", [1, 8])  # int16 blocks; and AMX where the CPU has it
+@pytest.mark.parametrize("m", [1, 9])  # int16 blocks; and AMX where the CPU has it
 def test_non_finite_x_gives_non_finite_outputs_only_in_its_rows(m):
     x, weight, _ = _case(m, 32, 64, bias=False)
     x[0, 5] = math.inf if m == 1 else math.nan
@@ -118,11 +118,11 @@ def test_row_strided_input():
     assert_matches(int8_linear(row_strided, blocked, scales, b, 100), reference(x, blocked, scales, b, 100))
 
 
-def test_amx_is_used_from_a_few_rows_where_the_cpu_has_it():
-    """(Informational where the CPU lacks AMX: both paths are checked above either way.)"""
-    if not uses_amx(5, 512):
+def test_amx_is_used_past_one_pass_of_rows_where_the_cpu_has_it():
+    """(Where the CPU lacks AMX, both paths are still checked above: every shape runs the int16 blocks.)"""
+    if not uses_amx(9, 512, int8=True):
         pytest.skip("no AMX tiles here")
-    assert not uses_amx(4, 512)
+    assert not uses_amx(8, 512, int8=True) and uses_amx(8, 512)
 
 
 def test_rejects_mismatched_arguments():

@@ -122,7 +122,7 @@ void linear_into(const T* x, int64_t m, int64_t k, const void* blocked, const fl
       for (int o = 0; o < num_outs; ++o) sums[o] = acc[o] * scales[first_out + o];
       store(row, first_out, sums, num_outs);
     };
-    if (amx_serves(m, k)) {
+    if (amx_serves(m, k, int8_blocked ? kAmxMinRowsI8 : kAmxMinRows)) {
       if (int8_blocked)
         run_panels_amx(x, m, k, int8_blocked, k_pairs * 2 * kPanel, k_pairs, n, reinterpret_cast<uint16_t*>(packed),
                        scaled, split);

@@ -82,7 +82,7 @@ void linear_bf16_i8(const uint16_t* x, int64_t m, int64_t x_stride, const int8_t
         for (int o = 0; o < num_outs; ++o)
             out[o] = f32_to_bf16(acc[o] * scales[first_out + o] + (bias ? bf16_to_f32(bias[first_out + o]) : 0.0f));
     };
-    if (amx_serves(m, k)) {
+    if (amx_serves(m, k, kAmxMinRowsI8)) {
         std::vector<uint16_t> scratch(m % kTileRows ? kTileRows * k : 0);
         PhaseCounters counters(2);  // the tail tile's copy, the panels
 #pragma omp parallel
@@ -108,5 +108,8 @@ void linear_bf16_i8(const uint16_t* x, int64_t m, int64_t x_stride, const int8_t
 
 // Whether bfloat16 with m rows and K = k runs on AMX tiles here (1) or on the AVX-512 kernel (0).
 int32_t linear_bf16_uses_amx(int64_t m, int64_t k) { return amx_serves(m, k); }
+
+// The same for int8 weights.
+int32_t linear_bf16_i8_uses_amx(int64_t m, int64_t k) { return amx_serves(m, k, kAmxMinRowsI8); }
 
 }  // extern "C"

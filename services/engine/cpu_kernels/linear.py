@@ -42,8 +42,8 @@ def _library() -> ctypes.CDLL | None:
             function.argtypes, function.restype = _ARGTYPES, None
         library.linear_bf16_i8.argtypes = _ARGTYPES[:4] + [ctypes.c_void_p] + _ARGTYPES[4:]
         library.linear_bf16_i8.restype = None
-        library.linear_bf16_uses_amx.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        library.linear_bf16_uses_amx.restype = ctypes.c_int32
+        for function in (library.linear_bf16_uses_amx, library.linear_bf16_i8_uses_amx):
+            function.argtypes, function.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_int32
     return library
 
 
@@ -52,11 +52,13 @@ def can_run(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES and _library() is not None
 
 
-def uses_amx(rows: int, in_features: int) -> bool:
-    """Whether a bfloat16 ``small_m_linear`` of ``rows`` rows and ``in_features`` inputs runs on AMX
-    tiles here (the decode step's projections choose the same way)."""
+def uses_amx(rows: int, in_features: int, int8: bool = False) -> bool:
+    """Whether a bfloat16 ``small_m_linear`` (with ``int8``: an ``int8_linear``) of ``rows`` rows and
+    ``in_features`` inputs runs on AMX tiles here (the decode step's projections choose the same way)."""
     library = _library()
-    return library is not None and bool(library.linear_bf16_uses_amx(rows, in_features))
+    if library is None:
+        return False
+    return bool((library.linear_bf16_i8_uses_amx if int8 else library.linear_bf16_uses_amx)(rows, in_features))
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
