@@ -111,7 +111,7 @@ def run_decode_floors(config: EngineConfig, dtypes: list[str], context: int, ste
         int8_weights = config.quantization == INT8_AT_LOAD
         read = decode_step_bytes(mc, torch.empty(0, dtype=dtype).element_size(), context, int8_weights)
         bandwidth_s = (read.weights + read.kv) / read_bytes_per_s
-        rows.append({"dtype": f"{name} int8" if int8_weights else name, "context": context,
+        rows.append({"dtype": f"{name}-int8" if int8_weights else name, "context": context,
                      "step_ms": step_s * 1e3, "linear_floor_ms": linear_s * 1e3,
                      "bandwidth_floor_ms": bandwidth_s * 1e3, "weight_mb": read.weights / 1e6,
                      "kv_mb": read.kv / 1e6, "read_gb_per_s": read_bytes_per_s / 1e9,

@@ -34,6 +34,7 @@ from services.bench.decode_floors import format_decode_floors, run_decode_floors
 from services.bench.floor import measure_read_bandwidth, run_floor
 
 BASELINES = ("hf-batch1", "hf-static", "floor")
+DEFAULT_STEP_DTYPES = "float32,bfloat16"
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # HF generate's names too
 
 
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the requests sample, a JSON object of %s, e.g. Qwen2.5 Instruct's '{\"temperature\": "
                              "0.7, \"top_p\": 0.8, \"top_k\": 20, \"repetition_penalty\": 1.05}' (default: greedy)"
                              % ", ".join(SAMPLING_KEYS))
-    parser.add_argument("--step-dtypes", default="float32,bfloat16",
+    parser.add_argument("--step-dtypes", default=DEFAULT_STEP_DTYPES,
                         help="batch-1 decode step section: comma list of dtypes, or none (default: %(default)s)")
     parser.add_argument("--step-context", type=int, default=256,
                         help="context of the batch-1 steps, tokens (default: %(default)s)")
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.bench.results import BenchResult, RunResult, save_result
     from services.engine.engine_args import config_from_args
+    from services.engine.models.quantized_weights import INT8_AT_LOAD
 
     args = build_parser().parse_args(argv)
     baselines = [] if args.baselines == "none" else args.baselines.split(",")
@@ -196,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"strata bench offline: unknown baseline(s) {sorted(unknown)}")
     step_dtypes = parse_step_dtypes(args.step_dtypes)
+    if args.quantization == INT8_AT_LOAD and set(step_dtypes) - {"bfloat16"}:
+        if args.step_dtypes != DEFAULT_STEP_DTYPES:
+            raise SystemExit("strata bench offline: --quantization int8 serves bfloat16 only: --step-dtypes bfloat16")
+        step_dtypes = ["bfloat16"]  # (the default's float32 row cannot run with int8 weights)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model:  # drawn on the engine's device, in its dtype (float32 for "auto")
             dtype = "float32" if args.dtype == "auto" else args.dtype

@@ -35,6 +35,23 @@ def test_biases_and_tied_embeddings_are_counted(tmp_path):
     assert decode_step_bytes(mc, 4, context=0).weights == 4 * (num_params + mc.hidden_size)
 
 
+def test_int8_weights_count_a_byte_a_weight_and_their_scales(tmp_path):
+    """--quantization int8: the projections and the head's matrix at one byte a weight with a float32
+    scale per output row, as the loaded model holds them; the rest (norms, an embedding row, K/V) bfloat16."""
+    model_dir = write_random_llama(tmp_path / "tiny", "tiny")
+    mc = load_model_config(model_dir)
+    runner = ModelRunner(EngineConfig(model=str(model_dir), quantization="int8", num_kv_blocks=4))
+    layers = [m for m in runner.model.modules() if hasattr(m, "scales")]
+    matrices = sum(m.out_features * m.in_features for m in layers)
+    scales = sum(m.scales.nbytes for m in layers)
+    others = 2 * (mc.num_layers * 2 * mc.hidden_size + 2 * mc.hidden_size)  # the norms, one embedding row
+    bf16 = decode_step_bytes(mc, 2, context=10)
+    int8 = decode_step_bytes(mc, 2, context=10, int8_weights=True)
+    assert bf16.weights == 2 * matrices + others
+    assert int8.weights == matrices + scales + others
+    assert int8.kv == bf16.kv
+
+
 @pytest.mark.slow  # loads three architectures
 def test_projections_are_the_loaded_modules_in_layer_order(tmp_path):
     model_dir = write_random_llama(tmp_path / "tiny", "tiny")

@@ -62,6 +62,13 @@ def test_an_unknown_step_dtype_is_refused_before_the_workload_runs(tmp_path):
         offline.main(["--model", str(tmp_path / "never-read"), "--step-dtypes", "float32,fp16"])
 
 
+def test_int8_weights_time_the_bfloat16_step_alone(tmp_path):
+    """--quantization int8 serves bfloat16: the default --step-dtypes drops its float32 row; asking for it
+    is refused before anything runs."""
+    with pytest.raises(SystemExit, match="serves bfloat16 only"):
+        offline.main(["--model", str(tmp_path / "never-read"), "--quantization", "int8", "--step-dtypes", "float32"])
+
+
 @pytest.mark.slow  # runs the offline bench on a model
 def test_sampling_names_how_both_the_engine_and_hf_sample(tmp_path, capsys):
     sampling = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}

@@ -45,6 +45,7 @@ def assert_matches(y: torch.Tensor, expected: torch.Tensor) -> None:
     assert ((y.float() - expected).abs() <= step + 1e-4).all()
 
 
+@pytest.mark.slow  # a 110-case shape sweep
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 100])
 @pytest.mark.parametrize("n, k", [(7, 5), (123, 123), (40, 512), (33, 1376), (300, 64)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -56,7 +57,7 @@ def test_matches_the_reference(m, n, k, bias):
     assert_matches(y, reference(x, blocked, scales, b, n))
 
 
-@pytest.mark.parametrize("m", [1, 3, 20])
+@pytest.mark.parametrize("m", [1, 3, 20, 600])  # 600: on AMX, two blocks of rows (512 and 88)
 def test_many_more_rows_and_long_k(m):
     x, weight, b = _case(m, 2048, 4864, bias=True, seed=m)
     blocked, scales = quantize_int8(weight)

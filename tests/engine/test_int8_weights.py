@@ -10,6 +10,7 @@ from services.engine.config import EngineConfig
 from services.engine.cpu_kernels import linear as native_linear
 from services.engine.llm import LLM
 from services.engine.model_runner import ModelRunner
+from services.engine.models import int8_linear
 from services.engine.models.int8_linear import Int8Linear
 from services.engine.models.quantized_weights import check_requested
 from services.engine.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ def test_every_projection_and_the_head_are_int8_and_the_native_step_serves(check
     assert runner.decode_step is not None
 
 
+@pytest.mark.slow  # HF parity over three architectures
 def test_greedy_tokens_are_hfs_on_the_rounded_weights(checkpoint):
     llm = LLM(config(checkpoint, quantization="int8", dtype="bfloat16"))
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(length)] for i, length in enumerate((3, 20, 45, 90))]
@@ -80,12 +82,14 @@ def test_greedy_tokens_are_hfs_on_the_rounded_weights(checkpoint):
         assert agree >= 0.75  # ties aside, the same tokens
 
 
-def test_the_flag_is_refused_where_it_cannot_serve(checkpoint, tmp_path):
+def test_the_flag_is_refused_where_it_cannot_serve(checkpoint):
     with pytest.raises(ValueError, match="serve the model in bfloat16"):
         ModelRunner(config(checkpoint, quantization="int8", dtype="float32"))
     with pytest.raises(ValueError, match="quantized already .gptq."):
         check_requested("int8", {"quant_method": "gptq", "bits": 4}, "ckpt")
     check_requested("int8", None, "ckpt")
+    assert "not on cuda" in int8_linear.unsupported_reason(torch.device("cuda"), torch.bfloat16)
+    assert int8_linear.unsupported_reason(torch.device("cpu"), torch.bfloat16) is None
 
 
 def test_half_the_bytes_of_bfloat16(checkpoint):

@@ -96,9 +96,9 @@ struct StepInputs {
 };
 
 // x[m, k] W^T from inside the parallel region (a phase of `split`), each row's float32 sums handed to
-// `store(row, first_out, acc, num_outs)`. `packed` holds max(m, 16) * (k + 1) elements: x in the layout
-// of the panel kernels, skipped for one row where that layout is x itself, or the AMX path's last
-// partial tile of rows. With `scales` (bfloat16 only), W is int8 and each output's sums are scaled;
+// `store(row, first_out, acc, num_outs)`. `packed` holds LayerBuffers::packed_size(m, k) elements: x in
+// the layout of the panel kernels, skipped for one row where that layout is x itself, or the AMX path's
+// last partial tile of rows. With `scales` (bfloat16 only), W is int8 and each output's sums are scaled;
 // x then goes to it as int16 blocks (pack_x_i8_pass), or as it is to the AMX tiles.
 template <typename T, typename Split, typename Store>
 void linear_into(const T* x, int64_t m, int64_t k, const void* blocked, const float* scales, int64_t n,

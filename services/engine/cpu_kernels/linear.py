@@ -16,10 +16,11 @@ went from 16.2 ms to 2.7 ms, two threads, on a 2-core Xeon with AMX.
 
 **int8 weights** (``--quantization int8``, weight-only): ``quantize_int8`` rounds a weight to int8
 with a float32 scale per output row (symmetric: the row's largest magnitude maps to 127) and blocks the
-integers in bfloat16's layout; ``int8_linear`` multiplies bfloat16 ``x`` by them, each pair of a panel
-turned into bfloat16 in registers (exact: an integer of at most 7 bits), the float32 sums scaled per
-output before the bias. A few rows then stream half the bytes; from a few rows up, on AMX, each panel
-is turned into bfloat16 once for all the rows (``linear_panels.h``).
+integers in bfloat16's layout; ``int8_linear`` multiplies bfloat16 ``x`` by them, the float32 sums
+scaled per output before the bias. Up to 8 rows, x goes to the integers as int16 in blocks of 32 with
+a power-of-two scale each (exact within 2^7 of a block's largest element), so a few rows stream half
+the bytes at the memory's speed; past that, on AMX, each panel is turned into bfloat16 once for all
+the rows (``linear_panels.h``).
 """
 
 import ctypes

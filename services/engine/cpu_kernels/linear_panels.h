@@ -354,14 +354,14 @@ void panel_group_bf16(const XElement* x_pass, const uint16_t* panel, int64_t pan
 // cost more than the read: measured on the 2-vCPU Xeon, one row over a Qwen2.5-0.5B-shaped model's
 // projections, 15.5 GB/s of int8 against 22.7 of bfloat16, 1.36x bfloat16's speed where the bytes
 // allow 2x. So the weights stay integers, widened to int16 (one instruction per 32), and x comes to
-// them as int16 too: each block of kXBlock elements of a row scaled by a power of two that puts its
-// largest magnitude just under 2^15. A bfloat16 value has 8 significant bits, so every element within
-// 2^7 of its block's largest converts exactly, and a smaller one is rounded at 2^-15 of that largest
-// (below the bfloat16 rounding of the output). A block's products sum exactly in int32
-// (_mm512_dpwssd_epi32), and the block's sum times its scale joins the float32 total.
+// them as int16 too: each block of 32 elements of a row scaled by a power of two that puts its largest
+// magnitude just under 2^15. A bfloat16 value has 8 significant bits, so every element within 2^7 of its
+// block's largest converts exactly, and a smaller one is rounded at 2^-15 of that largest (below the
+// bfloat16 rounding of the output). A block's products sum exactly in int32 (_mm512_dpwssd_epi32), and
+// the block's sum times its scale joins the float32 total. The same projections: 1.73-1.81x bfloat16's.
 //
-// From a few rows up, on AMX, run_panels_amx turns each panel into bfloat16 once for all the rows
-// instead (i8_to_bf16), exactly.
+// Past one pass of rows (kAmxMinRowsI8), on AMX, run_panels_amx turns each panel into bfloat16 once for
+// all the rows instead (i8_to_bf16), exactly.
 
 constexpr int64_t kXBlockPairs = 16;                   // K pairs of x per scale (32 elements)
 constexpr int64_t kXBlockWords = 2 * kXBlockPairs + 2;  // int16 per row of a block: its pairs, its float scale
@@ -400,8 +400,12 @@ inline void pack_x_i8_pass(int16_t* packed, const uint16_t* x, int64_t m, int64_
             // NaN gets a NaN scale, which its outputs then show.
             const int shift = 141 - largest;
             const bool zeros = largest < 14, special = largest == 0xff;
-            const float up = zeros || special ? 0.0f : std::ldexp(1.0f, shift);
             scales[i] = special ? NAN : zeros ? 0.0f : std::ldexp(1.0f, -shift);
+            if (zeros || special) {
+                for (int64_t j = 0; j < kXBlockPairs; ++j) std::memset(block + (j * rows + i) * 2, 0, 4);
+                continue;
+            }
+            const float up = std::ldexp(1.0f, shift);
 #ifdef STRATA_AVX512
             // as int16, rounded to nearest even (exact within 2^7 of the largest)
             alignas(64) int16_t row[2 * kXBlockPairs];
@@ -775,6 +779,7 @@ constexpr int64_t kAmxMinRowsI8 = kRowsPerPass + 1;
 // a row. Over the small shape's 33 bfloat16 matrices (55 MB, two threads, alternating in one session):
 // 32 rows 1.86-1.96 -> 1.70-1.77 ms, 64 rows 3.05 -> 2.89-2.93 ms, 8 rows unchanged (1.55-1.64 ms).
 constexpr int kAmxPanelsPerGrab = 8;
+constexpr int64_t kI8BlockTiles = 32;  // row tiles of x per pass over an int8 run (run_panels_amx)
 
 #ifdef STRATA_AMX
 constexpr int64_t kAmxPrefetchBytes = 2048;  // two tiles of the panel ahead
@@ -839,7 +844,8 @@ void panels_amx(const uint16_t* const* a, const int64_t* a_stride, const uint16_
 #endif
 
 // Whether run_panels_amx serves m rows of x against a K of k: AMX here and granted, enough rows (at least
-// `min_rows`: kAmxMinRows for bfloat16 weights, kAmxMinRowsI8 for int8), and K in whole tiles (every hidden and intermediate size of the Llama family is a multiple of 32).
+// `min_rows`: kAmxMinRows for bfloat16 weights, kAmxMinRowsI8 for int8), and K in whole tiles (every
+// hidden and intermediate size of the Llama family is a multiple of 32).
 inline bool amx_serves(int64_t m, int64_t k, int64_t min_rows = kAmxMinRows) {
 #ifdef STRATA_AMX
     return m >= min_rows && k % (2 * kTileKPairs) == 0 && amx_granted();
@@ -880,8 +886,8 @@ void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const WT* bl
     // read all of x once per panel: at 2,048 rows, 2 MB per panel from beyond L2, and the small shape's
     // projections ran 3x slower than oneDNN's.) Up to 64 rows, four row tiles against one panel
     // (panel_amx: the weight streams in once for all the rows); past that, two by two (panels_amx).
-    // int8 weights take panels outermost instead, each pair turned into bfloat16 once (up to 64 rows,
-    // one group of row tiles, the same order).
+    // int8 weights take panels outermost instead within blocks of rows, each pair turned into bfloat16
+    // once per block (up to 64 rows, one group of row tiles, the same order).
     const bool by_pairs = row_tiles > kMaxRowTiles;
     const int64_t group_tiles = by_pairs ? 2 : kMaxRowTiles, group_panels = by_pairs ? 2 : 1;
     split.items(num_runs, 1, [&](int64_t run) {
@@ -913,13 +919,18 @@ void run_panels_amx(const uint16_t* x, int64_t m, int64_t x_stride, const WT* bl
             }
         };
         if constexpr (std::is_same_v<WT, int8_t>) {
+            // x in blocks of kI8BlockTiles row tiles (512 rows: 1 MB at a K of 1,024, held in L2 while the
+            // run's panels go by), each panel pair turned into bfloat16 once per block
             thread_local std::vector<uint16_t> converted;
             converted.resize(size_t(2 * panel_elems));
-            for (int64_t p = run * kAmxPanelsPerGrab; p < last_panel; p += group_panels) {
-                const int panels = int(std::min<int64_t>(group_panels, last_panel - p));
-                i8_to_bf16(blocked + p * panel_elems, panels * panel_elems, converted.data());
-                const uint16_t* panel[2] = {converted.data(), converted.data() + (panels - 1) * panel_elems};
-                for (int64_t t0 = 0; t0 < row_tiles; t0 += group_tiles) rows_against(t0, p, panel, panels);
+            for (int64_t first_tile = 0; first_tile < row_tiles; first_tile += kI8BlockTiles) {
+                const int64_t end_tile = std::min(row_tiles, first_tile + kI8BlockTiles);
+                for (int64_t p = run * kAmxPanelsPerGrab; p < last_panel; p += group_panels) {
+                    const int panels = int(std::min<int64_t>(group_panels, last_panel - p));
+                    i8_to_bf16(blocked + p * panel_elems, panels * panel_elems, converted.data());
+                    const uint16_t* panel[2] = {converted.data(), converted.data() + (panels - 1) * panel_elems};
+                    for (int64_t t0 = first_tile; t0 < end_tile; t0 += group_tiles) rows_against(t0, p, panel, panels);
+                }
             }
         } else {
             for (int64_t t0 = 0; t0 < row_tiles; t0 += group_tiles)
