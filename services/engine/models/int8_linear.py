@@ -10,10 +10,10 @@ the embeddings and the K/V cache stay bfloat16.
 
 Every batch runs the native kernel (past 8 rows on AMX tiles where the CPU has them, each panel turned
 into bfloat16 once for all the rows), so that a step computes the same numbers whether the native step
-or the torch forward runs it. Over a Qwen2.5-0.5B-shaped layer's four projections on
-the 2-vCPU Xeon: 1,031 / 1,376 / 914 GFLOP/s at 128 / 512 / 2,048 rows, where dequantizing the weight
-for oneDNN's bfloat16 GEMM ran 94 / 418 / 789 (and bfloat16 weights 973 / 1,544 / 1,357): long prompts
-prefill up to ~1.5x slower than in bfloat16.
+or the torch forward runs it. Over a Qwen2.5-0.5B-shaped layer's four projections on the 2-vCPU
+Xeon: 1,394 / 1,672 / 1,086 GFLOP/s at 128 / 512 / 2,048 rows, where bfloat16 weights on oneDNN ran
+1,135 / 2,039 / 1,437 (dequantizing the int8 weight for oneDNN at every call ran 94 / 418 / 789): long
+prompts prefill up to ~1.3x slower than in bfloat16.
 """
 
 import torch
