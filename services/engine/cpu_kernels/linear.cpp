@@ -16,6 +16,24 @@
 
 #include "linear_panels.h"
 
+namespace {
+
+// linear_bf16's and linear_bf16_i8's AMX path (where amx_serves): x as it lies, in one parallel region.
+template <typename WT, typename Store>
+void linear_on_amx(const uint16_t* x, int64_t m, int64_t x_stride, const WT* blocked, int64_t n, int64_t k,
+                   Store store) {
+    const int64_t k_pairs = (k + 1) / 2;
+    std::vector<uint16_t> scratch(m % kTileRows ? kTileRows * k : 0);
+    PhaseCounters counters(2);  // the tail tile's copy, the panels
+#pragma omp parallel
+    {
+        ProgressSplit split(counters);
+        run_panels_amx(x, m, x_stride, blocked, k_pairs * 2 * kPanel, k_pairs, n, scratch.data(), store, split);
+    }
+}
+
+}  // namespace
+
 extern "C" {
 
 // x: [m, k] with row stride x_stride; blocked: [ceil(n / 16), k, 16]; bias: [n] or null;
@@ -50,13 +68,7 @@ void linear_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const uint16_t*
             out[o] = f32_to_bf16(acc[o] + (bias ? bf16_to_f32(bias[first_out + o]) : 0.0f));
     };
     if (amx_serves(m, k)) {
-        std::vector<uint16_t> scratch(m % kTileRows ? kTileRows * k : 0);
-        PhaseCounters counters(2);  // the tail tile's copy, the panels
-#pragma omp parallel
-        {
-            ProgressSplit split(counters);
-            run_panels_amx(x, m, x_stride, blocked, k_pairs * 2 * kPanel, k_pairs, n, scratch.data(), store, split);
-        }
+        linear_on_amx(x, m, x_stride, blocked, n, k, store);
         return;
     }
     const std::unique_ptr<XElement[]> x_packed(new XElement[m * k_pairs * 2]);  // every element written by the packing
@@ -83,13 +95,7 @@ void linear_bf16_i8(const uint16_t* x, int64_t m, int64_t x_stride, const int8_t
             out[o] = f32_to_bf16(acc[o] * scales[first_out + o] + (bias ? bf16_to_f32(bias[first_out + o]) : 0.0f));
     };
     if (amx_serves(m, k, kAmxMinRowsI8)) {
-        std::vector<uint16_t> scratch(m % kTileRows ? kTileRows * k : 0);
-        PhaseCounters counters(2);  // the tail tile's copy, the panels
-#pragma omp parallel
-        {
-            ProgressSplit split(counters);
-            run_panels_amx(x, m, x_stride, blocked, k_pairs * 2 * kPanel, k_pairs, n, scratch.data(), store, split);
-        }
+        linear_on_amx(x, m, x_stride, blocked, n, k, store);
         return;
     }
     const int64_t row_stride = x_i8_row_stride(k);

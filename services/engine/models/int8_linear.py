@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from services.engine.cpu_kernels import linear as native_linear
+from services.engine.models.packed_linear import replace_linears
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -59,10 +60,4 @@ class Int8Linear(nn.Module):
 
 def quantize_linears(model: nn.Module) -> int:
     """Replaces every ``nn.Linear`` in ``model`` by an ``Int8Linear`` of its weights; returns how many."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child.weight, child.bias))
-                count += 1
-    return count
+    return replace_linears(model, Int8Linear)

@@ -117,15 +117,20 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replaces every ``nn.Linear`` in ``model`` by a ``PackedLinear`` of the same weights; returns how many."""
+def replace_linears(model: nn.Module, make) -> int:
+    """Replaces every ``nn.Linear`` in ``model`` by ``make(weight, bias)``; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, make(child.weight, child.bias))
                 count += 1
     return count
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replaces every ``nn.Linear`` in ``model`` by a ``PackedLinear`` of the same weights; returns how many."""
+    return replace_linears(model, PackedLinear)
 
 
 def blocked_weights_onto_huge_pages(model: nn.Module) -> int:
