@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(config)
+    try:
+        llm = LLM(config)
+    except ValueError as exc:  # flags or a checkpoint the engine refuses: its reason, not a traceback
+        raise SystemExit(f"strata generate: {exc}") from None
     started = time.perf_counter()
     completions = llm.generate(prompts, params)
     seconds = time.perf_counter() - started
