@@ -21,11 +21,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from services.engine.attention import get_attention_backend
+from services.engine.config import EngineConfig
+from services.engine.cpu_kernels import linear as native_linear
+from services.engine.llm import LLM
 from services.engine.models import loader
 from services.engine.models.checkpoint_tensors import CheckpointTensors
 from services.engine.models.config import load_model_config
+from services.engine.models.int8_linear import Int8Linear
 from services.engine.models.loader import load_model
 from services.engine.models.quantized_weights import QuantizedWeights
+from services.engine.sampling_params import SamplingParams
 
 from .checkpoints import write_checkpoint
 
@@ -82,6 +87,7 @@ CT_SCHEMES = {
     "w3-group": ("pack-quantized", dict(num_bits=3, type="int", strategy="group", group_size=32, symmetric=True)),
     "w8a16-group": ("pack-quantized", dict(num_bits=8, type="int", strategy="group", group_size=32, symmetric=True)),
     "w8a8-int-channel": ("int-quantized", dict(num_bits=8, type="int", strategy="channel", symmetric=True)),
+    "w8a16-channel": ("pack-quantized", dict(num_bits=8, type="int", strategy="channel", symmetric=True)),
     "fp8-tensor": ("float-quantized", dict(num_bits=8, type="float", strategy="tensor", symmetric=True)),
     "fp8-channel": ("float-quantized", dict(num_bits=8, type="float", strategy="channel", symmetric=True)),
     "fp8-block": ("float-quantized", dict(num_bits=8, type="float", strategy="block", block_structure=[32, 32],
@@ -103,10 +109,9 @@ def _observe(weight, args):
     return weight.amin(), weight.amax()
 
 
-@pytest.mark.parametrize("scheme", CT_SCHEMES)
-def test_compressed_tensors_checkpoints_load_as_their_fake_quantized_weights(tmp_path, scheme):
-    pytest.importorskip("compressed_tensors")
-
+def write_compressed_tensors(tmp_path, scheme):
+    """A checkpoint compressed by the compressed-tensors library in ``scheme`` (CT_SCHEMES), from a plain
+    one: (its path, the plain one's, each quantized module's fake-quantized weight)."""
     plain = write_checkpoint(tmp_path / "plain", "llama", intermediate_size=96)
     model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
     fmt, weight_args = CT_SCHEMES[scheme]
@@ -131,11 +136,41 @@ def test_compressed_tensors_checkpoints_load_as_their_fake_quantized_weights(tmp
     model.save_pretrained(quantized)
     compressor.update_config(quantized)
     assert json.loads((quantized / "config.json").read_text())["quantization_config"]["format"] == fmt
+    return quantized, plain, expected
 
+
+@pytest.mark.parametrize("scheme", CT_SCHEMES)
+def test_compressed_tensors_checkpoints_load_as_their_fake_quantized_weights(tmp_path, scheme):
+    pytest.importorskip("compressed_tensors")
+    quantized, plain, expected = write_compressed_tensors(tmp_path, scheme)
     weights = QuantizedWeights(CheckpointTensors(quantized), load_model_config(quantized).quantization)
     for name, reference in expected.items():
         torch.testing.assert_close(weights.get(f"{name}.weight"), reference, rtol=1e-6, atol=1e-7, msg=name)
     assert_same_models(quantized, write_dequantized(tmp_path / "dequantized", plain, expected))
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-int-channel", "w8a16-channel", "w8a16-group"])
+def test_int8_rows_are_kept_as_stored_in_bfloat16_on_the_cpu(tmp_path, scheme):
+    """8-bit integers with one scale per output row (llm-compressor's W8A8 and W8A16 presets) go to the
+    int8 kernels as stored, fused q/k/v and gate/up included: the same weights the dequantized load
+    gives, at a byte each; other layouts (a scale per group) are dequantized as before, and so is every
+    layout in float32."""
+    if not native_linear.can_run(torch.bfloat16):
+        pytest.skip("no C++ compiler for the native CPU kernels")
+    quantized, plain, expected = write_compressed_tensors(tmp_path, scheme)
+    model = load(quantized, torch.bfloat16)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Int8Linear)}
+    if scheme == "w8a16-group":
+        assert not layers
+        return
+    assert len(layers) == 4 * model.config.num_layers and not isinstance(model.lm_head, Int8Linear)
+    qkv = layers["model.layers.1.self_attn.qkv_proj"]
+    stored = torch.cat([expected[f"model.layers.1.self_attn.{p}_proj"] for p in "qkv"])
+    rebuilt = native_linear.dequantize_int8(qkv.blocked, qkv.scales, qkv.out_features, qkv.in_features)
+    torch.testing.assert_close(rebuilt, stored, rtol=1e-6, atol=1e-7)
+    assert not any(isinstance(m, Int8Linear) for m in load(quantized, torch.float32).modules())
+    llm = LLM(EngineConfig(model=str(quantized), dtype="bfloat16", num_kv_blocks=32))
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids) == 4
 
 
 # --- GPTQ and AWQ, packed as AutoGPTQ and AutoAWQ pack them --------------------------------------------

@@ -137,10 +137,18 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     largest = w.abs().amax(dim=1)
     scales = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
     q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
+    return block_int8(q), scales.contiguous()
+
+
+def block_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 integers ``q [N, K]`` (any of -128..127) laid out for ``int8_linear``: bfloat16's blocking,
+    ``[ceil(N/16), ceil(K/2), 16, 2]``, padding zeros."""
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"block_int8 takes 2-d int8 integers, not {q.dtype} {tuple(q.shape)}")
     n, k = q.shape
     num_panels, k_pairs = -(-n // PANEL), -(-k // 2)
     padded = F.pad(q, (0, 2 * k_pairs - k, 0, num_panels * PANEL - n))
-    return padded.view(num_panels, PANEL, k_pairs, 2).transpose(1, 2).contiguous(), scales.contiguous()
+    return padded.view(num_panels, PANEL, k_pairs, 2).transpose(1, 2).contiguous()
 
 
 def dequantize_int8(blocked: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int,

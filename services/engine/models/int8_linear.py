@@ -38,11 +38,17 @@ class Int8Linear(nn.Module):
     """``y = x (s * Q)^T + b`` for bfloat16 ``x [M, in]``: ``Q`` int8 blocked for the native kernel, ``s``
     float32 per output (``blocked`` and ``scales``, as ``DecodeStep`` reads them)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 integers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``weight`` rounded to int8 here (``quantize_int8``), or ``integers``: a checkpoint's own int8
+        ``[out, in]`` with their float32 scales ``[out]``, taken as they are."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        q, scales = integers if integers is not None else (None, None)
+        self.out_features, self.in_features = weight.shape if weight is not None else q.shape
         self.bias = bias
-        self.blocked, self.scales = native_linear.quantize_int8(weight)  # [ceil(out/16), ceil(in/2), 16, 2], [out]
+        # [ceil(out/16), ceil(in/2), 16, 2], [out]
+        self.blocked, self.scales = ((native_linear.block_int8(q), scales.float().contiguous()) if integers is not None
+                                     else native_linear.quantize_int8(weight))
 
     @property
     def weight(self) -> torch.Tensor:

@@ -26,10 +26,6 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention: AttentionB
         raise ValueError(f"--quantization {INT8_AT_LOAD}: {reason}")
     model_dir = Path(model_dir)
     weights = QuantizedWeights(CheckpointTensors(model_dir), config.quantization)
-    if config.quantization:
-        log.info("quantized checkpoint, %s: its weights are dequantized to %s as they load (no low-bit kernels: "
-                 "memory and speed as an unquantized checkpoint's)", describe(config.quantization),
-                 str(dtype).removeprefix("torch."))
     model = LlamaForCausalLM(config, attention, max_positions, dtype, device)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -42,11 +38,46 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention: AttentionB
                                  f"the config implies {tuple(param.shape)}")
             param.copy_(tensor)
     model.eval().requires_grad_(False)
+    stored_int8 = 0
     if int8_weights:
         model.pack_linears(int8=True)
         blocked_weights_onto_huge_pages(model)
     elif can_pack(device, dtype):
+        if config.quantization and int8_linear.unsupported_reason(device, dtype) is None:
+            stored_int8 = _keep_stored_int8(model, weights)
         model.pack_linears()
         blocked_weights_onto_huge_pages(model)
+    if config.quantization:
+        _log_quantized(config.quantization, dtype, stored_int8)
     return model
+
+
+def _keep_stored_int8(model: LlamaForCausalLM, weights: QuantizedWeights) -> int:
+    """Replaces each projection the checkpoint stores as int8 with a scale per output row
+    (``QuantizedWeights.int8_rows``) by an ``Int8Linear`` of those integers, which the int8 kernels
+    take as they are (bfloat16 on the CPU); returns how many. The others stay for ``pack_linears``."""
+    sources = model.checkpoint_sources()
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or f"{name}.weight" not in sources:
+            continue
+        parts = [weights.int8_rows(source.removesuffix(".weight")) for source in sources[f"{name}.weight"]]
+        if any(part is None for part in parts):
+            continue
+        integers = (torch.cat([q for q, _ in parts]), torch.cat([scale for _, scale in parts]))
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, int8_linear.Int8Linear(None, module.bias, integers=integers))
+        count += 1
+    return count
+
+
+def _log_quantized(quantization: dict, dtype: torch.dtype, stored_int8: int) -> None:
+    dtype_name = str(dtype).removeprefix("torch.")
+    if stored_int8:
+        log.info("quantized checkpoint, %s: its %d int8 projections run on the int8 kernels as stored (activations "
+                 "in %s: half the memory and, at small batches, faster decoding); anything else is dequantized",
+                 describe(quantization), stored_int8, dtype_name)
+    else:
+        log.info("quantized checkpoint, %s: its weights are dequantized to %s as they load (no kernels for its "
+                 "format here: memory and speed as an unquantized checkpoint's)", describe(quantization), dtype_name)
 

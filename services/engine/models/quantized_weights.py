@@ -1,12 +1,15 @@
-"""Quantized checkpoints, dequantized as they load.
+"""Quantized checkpoints, dequantized as they load (or, int8 with a scale per row, kept for the int8 kernels).
 
 Llama, Mistral and Qwen2 checkpoints are also published quantized (config.json's
 ``quantization_config.quant_method``): Qwen's own GPTQ and AWQ releases, llm-compressor's
 compressed-tensors checkpoints (W4A16, W8A16, W8A8, FP8; Red Hat's and Neural Magic's), block-wise FP8
-(transformers' ``fp8``) and Meta's ``fbgemm_fp8``. The engine has no low-bit kernels: each quantized
-projection is rebuilt in floating point (integer or FP8 values, less their zero points, times their
-scales) and loaded like any weight. The served model is the quantized one (its rounded weights); memory and speed
-are those of the serving dtype, and quantized activations (W8A8's input scales) run unquantized.
+(transformers' ``fp8``) and Meta's ``fbgemm_fp8``. The engine has kernels for one of these layouts only,
+int8 with a scale per output row (``int8_rows``: compressed-tensors' W8A16 and W8A8 presets), which a
+bfloat16 model on the CPU keeps as stored (``models/int8_linear``); every other quantized projection is
+rebuilt in floating point (integer or FP8 values, less their zero points, times their scales) and loaded
+like any weight. The served model is the quantized one (its rounded weights); memory and speed of a
+rebuilt one are those of the serving dtype, and quantized activations (W8A8's input scales) run
+unquantized.
 
 ``QuantizedWeights(tensors, quantization_config).get(name)`` returns a projection's ``weight`` as
 float32 whatever its format, and any other tensor as stored. Formats it cannot rebuild are refused by
@@ -107,6 +110,27 @@ class QuantizedWeights:
             if rebuilt is not None:
                 return rebuilt
         return self.tensors.get(name)
+
+    def int8_rows(self, module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A projection stored as int8 with one scale per output row and no zero point (compressed-tensors'
+        8-bit integer weights with the channel strategy, symmetric: llm-compressor's W8A16 and W8A8):
+        its integers [out, in] (int8) and scales [out] (float32), which the int8 kernels take as they are
+        (``int8_linear``); None for any other format or module."""
+        if self.quantization.get("quant_method") != "compressed-tensors" or not self._has(module, "weight_scale"):
+            return None
+        args = self._compressed_tensors_args(module)
+        if (args.get("type", "int") != "int" or args.get("num_bits") != 8 or args.get("strategy") != "channel"
+                or self._has(module, "weight_zero_point") or self._has(module, "weight_g_idx")):
+            return None
+        if self._has(module, "weight_packed"):
+            in_features = int(self._part(module, "weight_shape")[1])
+            values = _unpack_bits(self._part(module, "weight_packed"), 8, in_features) - 128
+        else:
+            values = self._part(module, "weight")
+        scale = self._part(module, "weight_scale").float()
+        if values.dim() != 2 or scale.numel() != values.shape[0]:
+            return None
+        return values.to(torch.int8), scale.reshape(-1).contiguous()
 
     def _has(self, module: str, part: str) -> bool:
         return f"{module}.{part}" in self.tensors
