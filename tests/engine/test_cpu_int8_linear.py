@@ -10,6 +10,7 @@ import torch
 
 from services.engine.cpu_kernels.linear import (
     PANEL,
+    block_int8,
     can_run,
     dequantize_int8,
     int8_linear,
@@ -74,6 +75,19 @@ def test_quantize_rounds_each_row_to_its_own_scale():
     dequantized = dequantize_int8(blocked, scales, 3, 3)
     assert ((dequantized - weight).abs() <= scales[:, None] / 2 + 1e-7).all()
     assert dequantize_int8(blocked, scales, 3, 3, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("m", [1, 9])  # int16 blocks; and AMX where the CPU has it
+def test_a_checkpoints_own_integers_down_to_minus_128(m):
+    """``block_int8`` lays out integers as stored (a published checkpoint's, -128 included) for the same kernels."""
+    generator = torch.Generator().manual_seed(m)
+    q = torch.randint(-128, 128, (40, 96), generator=generator, dtype=torch.int8)
+    q[:, 0] = -128
+    scales = torch.rand(40, generator=generator) / 100
+    x = torch.randn(m, 96, generator=generator).bfloat16()
+    blocked = block_int8(q)
+    assert torch.equal(unblock_weight(blocked, 40, 96), q)
+    assert_matches(int8_linear(x, blocked, scales, None, 40), reference(x, blocked, scales, None, 40))
 
 
 def test_a_wide_range_within_a_block_of_x():

@@ -347,18 +347,19 @@ void panel_group_bf16(const XElement* x_pass, const uint16_t* panel, int64_t pan
 
 // ---- int8 weights (weight-only quantization) ----
 //
-// With `--quantization int8` a projection keeps its weight as int8 in bfloat16's blocked layout
-// ([panels][K pairs][16][2], each weight its integer q, |q| <= 127) beside a float32 scale per output:
-// y[o] = scale[o] * sum_k x[k] q[o][k], the sums' scale applied by the caller. A few rows read half the
-// bytes of bfloat16's, and turning each weight into bfloat16 (three conversions per 32 weights) would
-// cost more than the read: measured on the 2-vCPU Xeon, one row over a Qwen2.5-0.5B-shaped model's
-// projections, 15.5 GB/s of int8 against 22.7 of bfloat16, 1.36x bfloat16's speed where the bytes
-// allow 2x. So the weights stay integers, widened to int16 (one instruction per 32), and x comes to
-// them as int16 too: each block of 32 elements of a row scaled by a power of two that puts its largest
-// magnitude just under 2^15. A bfloat16 value has 8 significant bits, so every element within 2^7 of its
-// block's largest converts exactly, and a smaller one is rounded at 2^-15 of that largest (below the
-// bfloat16 rounding of the output). A block's products sum exactly in int32 (_mm512_dpwssd_epi32), and
-// the block's sum times its scale joins the float32 total. The same projections: 1.73-1.81x bfloat16's.
+// With `--quantization int8` (or a checkpoint's own int8 rows) a projection keeps its weight as int8 in
+// bfloat16's blocked layout ([panels][K pairs][16][2], each weight its integer q, -128..127) beside a
+// float32 scale per output: y[o] = scale[o] * sum_k x[k] q[o][k], the sums' scale applied by the caller. A
+// few rows read half the bytes of bfloat16's, and turning each weight into bfloat16 (three conversions per
+// 32 weights) would cost more than the read: measured on the 2-vCPU Xeon, one row over a
+// Qwen2.5-0.5B-shaped model's projections, 15.5 GB/s of int8 against 22.7 of bfloat16, 1.36x bfloat16's
+// speed where the bytes allow 2x. So the weights stay integers, widened to int16 (one instruction per 32),
+// and x comes to them as int16 too: each block of 32 elements of a row scaled by a power of two that puts
+// its largest magnitude just under 2^15. A bfloat16 value has 8 significant bits, so every element within
+// 2^7 of its block's largest converts exactly, and a smaller one is rounded at 2^-15 of that largest
+// (below the bfloat16 rounding of the output). A block's products sum exactly in int32
+// (_mm512_dpwssd_epi32), and the block's sum times its scale joins the float32 total. The same
+// projections: 1.73-1.81x bfloat16's.
 //
 // Past one pass of rows (kAmxMinRowsI8), on AMX, run_panels_amx turns each panel into bfloat16 once for
 // all the rows instead (i8_to_bf16), exactly.
