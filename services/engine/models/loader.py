@@ -21,7 +21,8 @@ def load_model(model_dir: str | Path, config: ModelConfig, attention: AttentionB
     """One implementation serves the three supported architectures. Checkpoint tensors that the model
     has no parameter for (``rotary_emb.inv_freq``, a tied ``lm_head.weight``) are ignored; a missing one
     raises ``ValueError`` naming it. On the CPU the projections are then prepacked for oneDNN and the
-    native kernels, or with ``int8_weights`` rounded to int8 for them (``int8_linear``)."""
+    native kernels, or with ``int8_weights`` rounded to int8 for them (``int8_linear``); in bfloat16, a
+    quantized checkpoint's int8 projections with a scale per row keep their integers (``_keep_stored_int8``)."""
     if int8_weights and (reason := int8_linear.unsupported_reason(device, dtype)) is not None:
         raise ValueError(f"--quantization {INT8_AT_LOAD}: {reason}")
     model_dir = Path(model_dir)
