@@ -39,9 +39,19 @@ def _from_request_error(error: engine_pb2.RequestError) -> grpc.aio.AioRpcError:
                         error.param or None, error.error_code or None)
 
 
+# What grpc's aio client reads in place of the server's status when an operation on the call failed in
+# its core, as when the connection breaks while a message is being written: the server went away (seen
+# once in the fleet's kill -9 test: a request written to the stream of a replica just killed came back
+# as INTERNAL, which the router does not retry, where UNAVAILABLE sends it to another replica).
+_CORE_FAILURE = "Internal error from Core"
+
+
 def _stream_failure(server: str) -> Callable[[Exception | None], Exception]:
     def failure(error: Exception | None) -> Exception:
         if isinstance(error, grpc.aio.AioRpcError):
+            if error.code() == grpc.StatusCode.INTERNAL and error.details() == _CORE_FAILURE:
+                return status_error(grpc.StatusCode.UNAVAILABLE,
+                                    f"the shared GenerateMany stream to the {server} broke ({_CORE_FAILURE})")
             return error
         reason = f"failed: {error!r}" if error is not None else "ended it early"
         return status_error(grpc.StatusCode.UNAVAILABLE, f"the shared GenerateMany stream to the {server} {reason}")

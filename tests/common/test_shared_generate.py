@@ -133,3 +133,24 @@ def test_a_broken_or_closed_stream_fails_its_requests_with_unavailable_and_the_n
     assert broken == [grpc.StatusCode.UNAVAILABLE] * 2
     assert len(calls) == 2 and calls[0].cancelled
     assert closed.code() == grpc.StatusCode.UNAVAILABLE and closed.details() == "the router is stopping"
+
+
+def test_a_stream_that_grpc_reports_as_an_internal_error_from_core_fails_its_requests_with_unavailable():
+    """grpc's aio client reads "Internal error from Core" (INTERNAL) instead of a status when its core fails
+    an operation on the call, as when the connection breaks during a write: the server went away, which
+    the router retries elsewhere (UNAVAILABLE); an INTERNAL the server sent stays as it is."""
+    async def run(details):
+        calls = []
+        shared = SharedGenerate(lambda: calls.append(ScriptedCall(lambda message: None)) or calls[-1], "engine-1")
+        waiting = shared.generate(engine_pb2.GenerateRequest(request_id="r"))
+        await asyncio.sleep(0.01)
+        calls[0].fail(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await waiting.read()
+        return info.value
+
+    broken = asyncio.run(run("Internal error from Core"))
+    assert broken.code() == grpc.StatusCode.UNAVAILABLE
+    assert broken.details() == "the shared GenerateMany stream to the engine-1 broke (Internal error from Core)"
+    assert asyncio.run(run("the engine's own failure")).code() == grpc.StatusCode.INTERNAL
