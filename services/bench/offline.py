@@ -106,7 +106,10 @@ def run_strata(config, prompts, output_lens, sampling: dict[str, float]) -> dict
     from services.engine.llm import LLM
     from services.engine.sampling_params import SamplingParams
 
-    llm = LLM(config)
+    try:
+        llm = LLM(config)
+    except ValueError as exc:  # flags or a checkpoint the engine refuses: its reason, not a traceback
+        raise SystemExit(f"strata bench offline: {exc}") from None
     llm.core.warmup()  # as a server starts: the compiled (CPU) or captured (CUDA) graphs, unless --enforce-eager
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, not counted
     params = [SamplingParams(**sampling, max_tokens=n, ignore_eos=True) for n in output_lens]

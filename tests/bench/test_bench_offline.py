@@ -62,6 +62,13 @@ def test_an_unknown_step_dtype_is_refused_before_the_workload_runs(tmp_path):
         offline.main(["--model", str(tmp_path / "never-read"), "--step-dtypes", "float32,fp16"])
 
 
+def test_flags_the_engine_refuses_end_it_with_the_reason(tmp_path):
+    model = write_random_llama(tmp_path / "tiny", "tiny")
+    with pytest.raises(SystemExit, match=r"^strata bench offline: --quantization fp8: .* is not quantized"):
+        offline.main(["--model", str(model), "--quantization", "fp8", "--num-prompts", "1", "--baselines", "none",
+                      "--step-dtypes", "none"])
+
+
 def test_int8_weights_time_the_bfloat16_step_alone(tmp_path):
     """--quantization int8 serves bfloat16: the default --step-dtypes drops its float32 row; asking for it
     is refused before anything runs."""
