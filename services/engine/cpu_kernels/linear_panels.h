@@ -485,26 +485,19 @@ void panel_i8(const int16_t* x_pass, const int8_t* panel, int64_t k_pairs, float
 }
 
 #if defined(__AVX512BF16__)
-// The 32 int8 weights of a panel's K pair (16 outputs x 2) as 32 bfloat16, in their order.
-inline __m512bh pairs_i8_to_bf16(const int8_t* w) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
-}
-#endif
-
-// `count` int8 weights (a multiple of 32) as bfloat16, into `to` (for the AMX tiles). The weights stream
+// `count` int8 weights (a multiple of 32) as bfloat16, into `to`, for the AMX tiles (every CPU with them
+// has AVX512_BF16). Each 32, a panel's K pair of 16 outputs x 2, keeps its order. The weights stream
 // from memory: each line is asked for a few KB ahead, into L2 (see prefetch).
 inline void i8_to_bf16(const int8_t* from, int64_t count, uint16_t* to) {
-#if defined(__AVX512BF16__)
     for (int64_t i = 0; i < count; i += 32) {
         if (i % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(from + i) + kStreamPrefetchBytes, _MM_HINT_T1);
-        _mm512_storeu_si512(to + i, (__m512i)pairs_i8_to_bf16(from + i));
+        const __m128i* w = reinterpret_cast<const __m128i*>(from + i);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w + 1)));
+        _mm512_storeu_si512(to + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
-#else
-    for (int64_t i = 0; i < count; ++i) to[i] = f32_to_bf16(float(from[i]));
-#endif
 }
+#endif
 
 // Runs `panel_kernel<MR>` for a pass of `rows` (1..kRowsPerPass) rows.
 template <template <int> class PanelKernel, typename... Args>

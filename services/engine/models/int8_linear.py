@@ -36,19 +36,24 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 class Int8Linear(nn.Module):
     """``y = x (s * Q)^T + b`` for bfloat16 ``x [M, in]``: ``Q`` int8 blocked for the native kernel, ``s``
-    float32 per output (``blocked`` and ``scales``, as ``DecodeStep`` reads them)."""
+    float32 per output (``blocked`` and ``scales``, as ``DecodeStep`` reads them). ``rounded(weight,
+    bias)`` rounds a float weight to int8; ``of_integers(q, scales, bias)`` takes a checkpoint's own."""
 
-    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 integers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """``weight`` rounded to int8 here (``quantize_int8``), or ``integers``: a checkpoint's own int8
-        ``[out, in]`` with their float32 scales ``[out]``, taken as they are."""
+    def __init__(self, blocked: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int, in_features: int) -> None:
         super().__init__()
-        q, scales = integers if integers is not None else (None, None)
-        self.out_features, self.in_features = weight.shape if weight is not None else q.shape
+        self.out_features, self.in_features = out_features, in_features
         self.bias = bias
-        # [ceil(out/16), ceil(in/2), 16, 2], [out]
-        self.blocked, self.scales = ((native_linear.block_int8(q), scales.float().contiguous()) if integers is not None
-                                     else native_linear.quantize_int8(weight))
+        self.blocked, self.scales = blocked, scales  # [ceil(out/16), ceil(in/2), 16, 2] int8, [out] float32
+
+    @classmethod
+    def rounded(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
+        return cls(*native_linear.quantize_int8(weight), bias, *weight.shape)
+
+    @classmethod
+    def of_integers(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
+        """``q [out, in]`` int8 and ``scales [out]`` as stored."""
+        return cls(native_linear.block_int8(q), scales.float().contiguous(), bias, *q.shape)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -66,4 +71,4 @@ class Int8Linear(nn.Module):
 
 def quantize_linears(model: nn.Module) -> int:
     """Replaces every ``nn.Linear`` in ``model`` by an ``Int8Linear`` of its weights; returns how many."""
-    return replace_linears(model, Int8Linear)
+    return replace_linears(model, Int8Linear.rounded)

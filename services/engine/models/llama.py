@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         head gets its own int8 copy, the embeddings stay as they are)."""
         if int8:
             if self.lm_head is None:
-                self.lm_head = Int8Linear(self.model.embed_tokens.weight, None)
+                self.lm_head = Int8Linear.rounded(self.model.embed_tokens.weight, None)
             quantize_linears(self)
             return
         pack_linears(self)
