@@ -59,9 +59,6 @@ class Int8Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized ``W [out, in]`` in bfloat16 (a new tensor): what the layer multiplies by, up to
         the rounding of ``s * Q`` to bfloat16."""
-        return self.dequantized()
-
-    def dequantized(self) -> torch.Tensor:
         return native_linear.dequantize_int8(self.blocked, self.scales, self.out_features, self.in_features,
                                              torch.bfloat16)
 
