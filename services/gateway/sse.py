@@ -11,12 +11,23 @@ MEDIA_TYPE = "text/event-stream"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-# one encoder for every event: json.dumps with options of its own builds a new encoder per call
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+# One encoder for every event: json.dumps with options of its own builds a new encoder per call, and
+# JSONEncoder.encode builds its C encoder again on each call (with a dict of the objects being encoded,
+# against cycles, which an event never has). `_encode` keeps one C encoder, built once: a chunk's
+# choices (one choice, no logprobs) 0.86 us against 2.4 us with its "usage":null.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
+if json.encoder.c_make_encoder is not None:
+    _c_encoder = json.encoder.c_make_encoder(None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",",
+                                             False, False, True)  # sort_keys, skipkeys, allow_nan: as _ENCODER
+
+    def _encode(value) -> str:
+        return "".join(_c_encoder(value, 0))
+else:  # (a Python without the json accelerator)
+    _encode = _ENCODER.encode
 
 
 def event(payload: dict) -> bytes:
-    return b"data: " + _ENCODER.encode(payload).encode() + b"\n\n"
+    return b"data: " + _encode(payload).encode() + b"\n\n"
 
 
 class ChunkFraming:
@@ -27,11 +38,16 @@ class ChunkFraming:
     _NO_USAGE = object()
 
     def __init__(self, fixed: dict) -> None:
-        self._head = b"data: " + _ENCODER.encode(fixed)[:-1].encode() + b',"choices":'
+        self._head = b"data: " + _encode(fixed)[:-1].encode() + b',"choices":'
 
     def event(self, choices: list, usage=_NO_USAGE) -> bytes:
-        tail = b"}\n\n" if usage is self._NO_USAGE else b',"usage":' + _ENCODER.encode(usage).encode() + b"}\n\n"
-        return self._head + _ENCODER.encode(choices).encode() + tail
+        if usage is self._NO_USAGE:
+            tail = b"}\n\n"
+        elif usage is None:  # (every chunk but the last, with include_usage)
+            tail = b',"usage":null}\n\n'
+        else:
+            tail = b',"usage":' + _encode(usage).encode() + b"}\n\n"
+        return self._head + _encode(choices).encode() + tail
 
 
 def error_events(error: OpenAIError) -> list[bytes]:
