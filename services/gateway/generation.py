@@ -106,46 +106,57 @@ class ChoiceDecoder:
         self._span = span  # the request's, for the stop string's event
         self._detokenizer = upstream.decoder.detokenizer(params.skip_special_tokens,
                                                          spec.prompt_ids[-_DETOKENIZE_PREFIX_IDS:])
-        self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        # (none without stop strings: every token's text goes out as it comes)
+        self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._num_tokens = 0
         self.finished = False
 
     def feed(self, output: engine_pb2.GenerateResponse) -> Step:
+        """The output as a step. Runs once per choice and token: each of the output's fields is read once
+        (a protobuf field read builds a new Python object each time)."""
         params, spec = self._params, self._spec
-        self._num_tokens += len(output.token_ids)
+        token_ids = list(output.token_ids)
+        self._num_tokens += len(token_ids)
         finish = _FINISH_REASONS.get(output.finish_reason)
-        text = self._detokenizer.step(_rendered_ids(output, finish, params, self._eos_token_ids))
+        ends_on_stop_token = finish is not None and output.HasField("stop_token_id")
+        text = self._detokenizer.step(_rendered_ids(token_ids, finish, ends_on_stop_token, params,
+                                                    self._eos_token_ids))
         if finish is not None:
             text += self._detokenizer.flush()
-        match = self._matcher.feed(text, can_stop=self._num_tokens >= params.min_tokens)
-        step = Step(spec.index, match.text, list(output.token_ids),
-                    list(output.logprobs) if output.logprobs else [],  # most requests ask for none
-                    prompt_logprobs=list(output.prompt_logprobs) if output.prompt_logprobs else [],
-                    prompt_tokens=output.usage.prompt_tokens or len(spec.prompt_ids),
-                    completion_tokens=output.usage.completion_tokens or self._num_tokens,
-                    cached_tokens=output.usage.cached_prompt_tokens)
-        if match.stop is not None:
-            step.finish_reason, step.stop_reason = "stop", match.stop
+        stop = None
+        if self._matcher is not None:
+            match = self._matcher.feed(text, can_stop=self._num_tokens >= params.min_tokens)
+            text, stop = match.text, match.stop
+        logprobs, usage = output.logprobs, output.usage
+        step = Step(spec.index, text, token_ids, list(logprobs) if logprobs else [],  # most requests ask for none
+                    prompt_tokens=usage.prompt_tokens or len(spec.prompt_ids),
+                    completion_tokens=usage.completion_tokens or self._num_tokens,
+                    cached_tokens=usage.cached_prompt_tokens)
+        if output.prompt_logprobs:
+            step.prompt_logprobs = list(output.prompt_logprobs)
+        if stop is not None:
+            step.finish_reason, step.stop_reason = "stop", stop
             self._span.add_event(genai_span.STAGE_STOP_STRING, {
-                "gen_ai.choice.index": spec.index, "strata.stop_string": match.stop})
+                "gen_ai.choice.index": spec.index, "strata.stop_string": stop})
         elif finish is not None:
-            step.text += self._matcher.flush()
+            if self._matcher is not None:
+                step.text += self._matcher.flush()
             step.finish_reason = finish
-            if output.HasField("stop_token_id"):  # (generation_config.json's extra EOS ids too, as vLLM)
+            if ends_on_stop_token:  # (generation_config.json's extra EOS ids too, as vLLM)
                 step.stop_reason = output.stop_token_id
         self.finished = step.finish_reason is not None
         return step
 
 
-def _rendered_ids(output, finish: str | None, params: GenerationParams, eos_token_ids: frozenset[int]):
+def _rendered_ids(token_ids: list[int], finish: str | None, ends_on_stop_token: bool, params: GenerationParams,
+                  eos_token_ids: frozenset[int]) -> list[int]:
     """The output's ids whose text the answer shows: not the EOS or stop token that ended it (whose text
     a client sees only with include_stop_str_in_output, or as nothing when special tokens are skipped),
     as vLLM renders it."""
-    ids = output.token_ids
-    if finish == "stop" and ids and not params.include_stop_str_in_output \
-            and (output.HasField("stop_token_id") or ids[-1] in eos_token_ids):
-        return ids[:-1]
-    return ids
+    if finish == "stop" and token_ids and not params.include_stop_str_in_output \
+            and (ends_on_stop_token or token_ids[-1] in eos_token_ids):
+        return token_ids[:-1]
+    return token_ids
 
 
 _ENDED_EARLY = "engine ended the stream without a finish reason"
