@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 
 from services.bench.datasets import BenchRequest
-from services.bench.http_stream import StreamError, post_events
+from services.bench.http_stream import RecordedEvents, StreamError, post_recorded
 from services.bench.sse import TokenTimeline
 from services.bench.stats import RequestOutput
 
@@ -81,32 +81,50 @@ async def send_request(session: aiohttp.ClientSession, settings: RequestSettings
                        request: BenchRequest) -> RequestOutput:
     """Stream one request; never raises for a failed request (the reason is in `error`). The stream is
     read by `http_stream` with ``session``'s headers and total timeout (the session itself serves the
-    run's other, unstreamed calls)."""
+    run's other, unstreamed calls). Its events are kept as they came, unread: `settle` reads them (the
+    token timings, or the error the stream ended with) once the run is over."""
     body = json.dumps(build_payload(settings, request)).encode()
     out = RequestOutput(prompt_tokens=request.prompt_len)
-    timeline = TokenTimeline(start=time.perf_counter())
+    start = time.perf_counter()
     try:
-        status, error_body = await post_events(settings.url, body, timeline.on_data, list(session.headers.items()),
-                                               session.timeout.total)
+        status, error_body, events = await post_recorded(settings.url, body, list(session.headers.items()),
+                                                         session.timeout.total)
     except (StreamError, asyncio.TimeoutError) as exc:
         out.error = short_reason(f"{type(exc).__name__}: {exc}")
         return out
     if status != 200:
         out.error = _error_message(status, error_body)
         return out
-    end = time.perf_counter()
+    out.latency = time.perf_counter() - start
+    out.unread = _Unread(start, events)
+    return out
+
+
+@dataclass
+class _Unread:
+    """A request's stream as it came: when the request was sent, and its events."""
+    start: float
+    events: RecordedEvents
+
+
+def settle(out: RequestOutput) -> None:
+    """Reads the events `send_request` kept of a request (none for one that failed before it streamed, or
+    was read already): its TTFT, inter-token gaps and token counts, or the error its stream ended with."""
+    unread, out.unread = out.unread, None
+    if unread is None:
+        return
+    timeline = TokenTimeline(start=unread.start)
+    unread.events.replay(timeline.on_data)
     if timeline.error is not None:
         out.error = short_reason(f"stream error: {timeline.error}")
-        return out
+        return
     if timeline.ttft is None:
         out.error = "no tokens in the stream"
-        return out
+        return
     out.success = True
     out.ttft = timeline.ttft
-    out.latency = end - timeline.start
     out.itl = timeline.itl
     out.output_tokens = timeline.output_tokens
     if timeline.prompt_tokens is not None:
         out.prompt_tokens = timeline.prompt_tokens
     out.cached_tokens = timeline.cached_tokens
-    return out

@@ -131,7 +131,7 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens, concurren
     carry), and the share of the cores' time that was idle meanwhile."""
     from services.bench.client import RequestSettings, open_session
     from services.bench.datasets import BenchRequest
-    from services.bench.runner import RunPlan, error_counts, send_all
+    from services.bench.runner import RunPlan, error_counts, send_all, settle_all
 
     settings = RequestSettings(url=base_url + "/v1/completions", model=model, chat=False, ignore_eos=True,
                                temperature=0.0)
@@ -140,9 +140,11 @@ async def _stream_all(base_url: str, model: str, prompts, output_lens, concurren
         warm_up = [BenchRequest(prompt_len=8, output_len=2, prompt=[1] * 8)] * 2  # not a measured prompt: no
         await send_all(session, settings, warm_up, RunPlan(max_concurrency=2))   # cache hit for the stack alone
         before, started_cpu, cores_before = cpu_seconds(stack), time.process_time(), core_times()
-        outputs, seconds = await send_all(session, settings, requests, RunPlan(max_concurrency=concurrency))
+        outputs, seconds = await send_all(session, settings, requests, RunPlan(max_concurrency=concurrency),
+                                          settle=False)
         after, client_cpu_s = cpu_seconds(stack), time.process_time() - started_cpu
         idle = idle_share(cores_before, core_times())
+    settle_all(outputs)  # (after the run: reading the events is no CPU taken from the stack)
     done = [o for o in outputs if o.success]
     tpots = [o.tpot for o in done if o.output_tokens > 1]
     return (Run(sum(o.output_tokens for o in done), seconds, statistics.median(tpots) if tpots else 0.0),

@@ -22,6 +22,7 @@ import numpy as np
 
 from services.bench import server_metrics
 from services.bench.client import RequestSettings, send_request, short_reason
+from services.bench.client import settle as settle_request
 from services.bench.datasets import BenchRequest
 from services.bench.results import RunResult
 from services.bench.schedule import RateSchedule
@@ -87,17 +88,24 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float,
     return np.concatenate(([0.0], np.cumsum(gaps[:-1]))) if num_requests else np.zeros(0)
 
 
+# The streams' events kept unread (`client.send_request`) before the run reads them while it goes on.
+MAX_UNREAD_BYTES = 256 << 20
+
+
 async def send_all(session: aiohttp.ClientSession, settings: RequestSettings, requests: list[BenchRequest],
                    plan: RunPlan, on_done: Callable[[], None] | None = None,
-                   start: float | None = None) -> tuple[list[RequestOutput], float]:
+                   start: float | None = None, settle: bool = True) -> tuple[list[RequestOutput], float]:
     """Send `requests` as `plan` says; returns one output per request and the run's duration (s).
 
     The run starts at `start` (a `time.perf_counter()` value; default: now); every output's `sent_s`
     and `done_s` are seconds after it. A request waiting for a --max-concurrency slot counts as sent.
+    The streams' events are read after the run (`settle_all`; ``settle=False``: by the caller), or
+    while it goes on whenever those kept unread pass `MAX_UNREAD_BYTES`.
     """
     offsets = plan.offsets(len(requests))
     outputs = [RequestOutput(cancelled=True, error="stopped by --max-duration") for _ in requests]
     semaphore = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
+    unread_bytes = 0
 
     async def one(index: int, request: BenchRequest) -> None:
         placeholder = outputs[index]  # stays, cancelled, if the run stops first
@@ -113,6 +121,12 @@ async def send_all(session: aiohttp.ClientSession, settings: RequestSettings, re
             placeholder.done_s = time.perf_counter() - start
         output.sent_s, output.done_s = placeholder.sent_s, placeholder.done_s
         outputs[index] = output
+        nonlocal unread_bytes
+        if output.unread is not None:
+            unread_bytes += output.unread.events.size
+            if unread_bytes > MAX_UNREAD_BYTES:
+                settle_all(outputs)
+                unread_bytes = 0
         if on_done is not None:
             on_done()
 
@@ -138,7 +152,20 @@ async def send_all(session: aiohttp.ClientSession, settings: RequestSettings, re
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    return outputs, time.perf_counter() - start
+    duration = time.perf_counter() - start
+    if settle:
+        settle_all(outputs)
+    return outputs, duration
+
+
+def settle_all(outputs: list[RequestOutput]) -> None:
+    """Reads the events of every output that streamed (`client.settle`)."""
+    for output in outputs:
+        try:
+            settle_request(output)
+        except Exception as exc:  # a malformed response must fail this request, not the run
+            output.success = False
+            output.error = short_reason(f"client error: {type(exc).__name__}: {exc}")
 
 
 def request_samples(outputs: list[RequestOutput]) -> list[dict]:

@@ -12,6 +12,7 @@ Empty sample sets summarise to 0.0, so a result stays valid JSON when everything
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,7 @@ class RequestOutput:
     cancelled: bool = False
     sent_s: float | None = None  # when the runner issued it, in seconds after the run's start; None: never
     done_s: float | None = None  # when it finished, failed or was cancelled, on the same clock
+    unread: Any = None  # a streamed request's events until `client.settle` reads them (when the run is over)
 
     @property
     def first_token_s(self) -> float:

@@ -1,10 +1,11 @@
 """The benchmark's streaming HTTP client against raw loopback servers that answer exactly as written."""
 
 import asyncio
+import time
 
 import pytest
 
-from services.bench.http_stream import StreamError, Target, post_events, request_bytes
+from services.bench.http_stream import StreamError, Target, post_events, post_recorded, request_bytes
 
 
 def run_against(answer: bytes, on_event=None, close_after: bool = True, timeout_s: float | None = 5.0):
@@ -70,10 +71,45 @@ def test_an_error_status_returns_its_body():
     assert (status, error_body, events) == (404, body, [])
 
 
-def test_on_event_false_stops_reading():
-    answer = SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(b"data: 1\n\n", b"data: 2\n\n")[:-5]
-    (status, _), events, _ = run_against(answer, on_event=lambda data: data != "1", close_after=False)
-    assert status == 200 and events == ["1"]  # returned although the server holds the connection open
+@pytest.mark.parametrize("pieces", [
+    (b"data: 1\n\n", b"data: [DONE]\n\n"),
+    (b"data: 1\r\n\r\ndata: [DO", b"NE]\r\n\r\n"),  # split inside it, CRLF line ends
+    (b"data: 1\n\ndata:[DONE]\n", b"\n"),
+])
+def test_a_done_event_ends_the_stream(pieces):
+    answer = SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(*pieces)[:-5]
+    (status, _), events, _ = run_against(answer, close_after=False)
+    assert status == 200 and events == ["1", "[DONE]"]  # returned although the server holds the connection open
+
+
+def test_done_inside_an_event_ends_nothing():
+    answer = SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(b'data: {"t": "data: [DONE]"}\n\n')[:-5]
+    with pytest.raises(TimeoutError):
+        run_against(answer, close_after=False, timeout_s=0.3)
+
+
+def test_events_are_read_after_the_stream_with_their_pieces_arrival_times():
+    async def main():
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(b"data: 1\n\nda")[:-5])
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(chunked(b"ta: 2\n\n", b"data: 3\n\n"))
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            start = time.perf_counter()
+            status, _, recorded = await post_recorded(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/",
+                                                      b"{}")
+        seen = []
+        recorded.replay(lambda data, t: seen.append((data, t - start)) or data != "2")
+        return status, seen
+
+    status, seen = asyncio.run(main())
+    assert status == 200 and [data for data, _ in seen] == ["1", "2"]  # False after "2": no "3"
+    assert seen[0][1] < 0.15 <= seen[1][1]  # "2" completed by the second piece
 
 
 @pytest.mark.parametrize("answer, reason", [
