@@ -108,6 +108,7 @@ async def send_all(session: aiohttp.ClientSession, settings: RequestSettings, re
     unread_bytes = 0
 
     async def one(index: int, request: BenchRequest) -> None:
+        nonlocal unread_bytes
         placeholder = outputs[index]  # stays, cancelled, if the run stops first
         try:
             if semaphore is None:
@@ -121,7 +122,6 @@ async def send_all(session: aiohttp.ClientSession, settings: RequestSettings, re
             placeholder.done_s = time.perf_counter() - start
         output.sent_s, output.done_s = placeholder.sent_s, placeholder.done_s
         outputs[index] = output
-        nonlocal unread_bytes
         if output.unread is not None:
             unread_bytes += output.unread.events.size
             if unread_bytes > MAX_UNREAD_BYTES:

@@ -69,3 +69,47 @@ def test_max_duration_cancels_requests_in_flight(start_server):
     assert wall < 3.0
     assert state.num_requests == 2  # only the two slots ever sent
     assert all(o.cancelled and not o.success for o in outputs)
+
+
+def test_streams_are_read_after_the_run_or_past_the_unread_cap(start_server, monkeypatch):
+    from services.bench import runner
+    base_url, _ = start_server()
+    requests = sample_requests(DatasetSpec(input_len=4, output_len=5), 6, seed=0)
+    settings = RequestSettings(url=f"{base_url}/v1/completions", model="m", chat=False)
+    seen_during_run = []
+
+    async def go(**kwargs):
+        async with open_session(30) as session:
+            return await send_all(session, settings, requests, RunPlan(max_concurrency=2),
+                                  on_done=lambda: seen_during_run.append(None), **kwargs)
+
+    outputs, _ = asyncio.run(go(settle=False))
+    assert all(o.unread is not None and not o.success for o in outputs)  # kept as they came
+    runner.settle_all(outputs)
+    assert all(o.unread is None and o.success and o.output_tokens == 5 for o in outputs)
+
+    monkeypatch.setattr(runner, "MAX_UNREAD_BYTES", 1)  # every finished stream is read at once
+    read_at_once = []
+    monkeypatch.setattr(runner, "settle_all", lambda outs, real=runner.settle_all: (
+        read_at_once.append(sum(o.unread is not None for o in outs)), real(outs)))
+    outputs, _ = asyncio.run(go(settle=False))
+    assert read_at_once == [1] * 6 and all(o.success and o.output_tokens == 5 for o in outputs)
+
+
+def test_a_stream_that_cannot_be_read_fails_its_request_not_the_run():
+    from services.bench.client import _Unread
+    from services.bench.http_stream import RecordedEvents
+    from services.bench.runner import settle_all
+    from services.bench.stats import RequestOutput
+
+    def streamed(*pieces: bytes) -> RequestOutput:
+        events = RecordedEvents()
+        for k, piece in enumerate(pieces):
+            events.add(piece, 1.0 + k)
+        return RequestOutput(latency=3.0, unread=_Unread(0.5, events))
+
+    good = streamed(b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
+    odd = streamed(b'data: {"choices": ["not a choice"]}\n\n')
+    settle_all([good, odd])
+    assert good.success and good.ttft == 0.5 and good.itl == [1.0] and good.output_tokens == 2
+    assert not odd.success and odd.error.startswith("client error: AttributeError")
