@@ -37,3 +37,20 @@ def test_chunk_framing_writes_the_bytes_of_the_whole_chunk_encoded():
     assert framing.event(choices, None) == sse.event({**fixed, "choices": choices, "usage": None})
     usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
     assert framing.event([], usage) == sse.event({**fixed, "choices": [], "usage": usage})
+
+
+def test_events_are_json_dumps_bytes_with_or_without_the_c_encoder(monkeypatch):
+    payloads = [{"text": "é\u2028\"\\\n", "n": [1, -2.5e-07, None, True, False], "nested": {"k": [{}]}},
+                {"inf": float("inf")}, {"big": 10 ** 30}]  # (what json.dumps writes, valid JSON or not)
+    expected = [b"data: " + json.dumps(p, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+                for p in payloads]
+    assert sse._C_ENCODER is not None  # (CPython's accelerator)
+    assert [sse.event(p) for p in payloads] == expected
+    monkeypatch.setattr(sse, "_encode", sse._ENCODER.encode)
+    assert [sse.event(p) for p in payloads] == expected
+    try:
+        sse.event({"x": object()})
+    except TypeError as error:
+        assert "not JSON serializable" in str(error)
+    else:
+        raise AssertionError("an object JSON cannot hold must raise")
