@@ -234,13 +234,3 @@ async def post_recorded(url: str | Target, body: bytes, headers: list[tuple[str,
             answer.transport.close()
     return answer.status, bytes(answer.error_body), answer.events
 
-
-async def post_events(url: str | Target, body: bytes, on_event: Callable[[str, float], bool],
-                      headers: list[tuple[str, str]] = (), timeout_s: float | None = None) -> tuple[int, bytes]:
-    """`post_recorded`, then ``on_event(data, t)`` for each of a 200's events (``t``: `time.perf_counter()`
-    when its bytes came) until they end or ``on_event`` returns False. Returns the status and, for
-    another status, the body."""
-    status, error_body, events = await post_recorded(url, body, headers, timeout_s)
-    if status == 200:
-        events.replay(on_event)
-    return status, error_body

@@ -5,12 +5,12 @@ import time
 
 import pytest
 
-from services.bench.http_stream import StreamError, Target, post_events, post_recorded, request_bytes
+from services.bench.http_stream import StreamError, Target, post_recorded, request_bytes
 
 
-def run_against(answer: bytes, on_event=None, close_after: bool = True, timeout_s: float | None = 5.0):
+def run_against(answer: bytes, close_after: bool = True, timeout_s: float | None = 5.0):
     """POSTs to a loopback server that sends ``answer`` (then closes, if ``close_after``); returns the
-    result of `post_events`, the events seen and the request the server read."""
+    status and error body of `post_recorded`, the events its replay gave, and the request the server read."""
     events, seen = [], {}
 
     async def main():
@@ -31,11 +31,14 @@ def run_against(answer: bytes, on_event=None, close_after: bool = True, timeout_
 
         def record(data: str, t: float) -> bool:
             events.append(data)
-            return on_event(data) if on_event else True
+            return True
 
         async with server:
-            return await post_events(f"http://127.0.0.1:{port}/v1/completions?x=1", b'{"a": 1}', record,
-                                     [("Authorization", "Bearer k")], timeout_s)
+            status, error_body, recorded = await post_recorded(f"http://127.0.0.1:{port}/v1/completions?x=1",
+                                                               b'{"a": 1}', [("Authorization", "Bearer k")], timeout_s)
+        if status == 200:
+            recorded.replay(record)
+        return status, error_body
 
     result = asyncio.run(main())
     return result, events, seen.get("request")
@@ -129,7 +132,7 @@ def test_a_stalled_stream_times_out():
 
 def test_nothing_listening_is_a_stream_error():
     async def main():
-        return await post_events("http://127.0.0.1:9/x", b"{}", lambda data, t: True)
+        return await post_recorded("http://127.0.0.1:9/x", b"{}")
     with pytest.raises(StreamError, match="cannot connect to 127.0.0.1:9"):
         asyncio.run(main())
 
