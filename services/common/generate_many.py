@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RunOne = Callable[[engine_pb2.GenerateRequest], AsyncIterator[engine_pb2.GenerateResponse]]
-# How one entry of a GenerateManyResponse gets its result: fill(entry, value), as the message is built.
-Fill = Callable[[engine_pb2.GenerateManyOutput, object], None]
+# How one entry of a GenerateManyResponse gets its result: fill(entry, value), as the message is built;
+# None: the value is the entry's next_token.
+Fill = Callable[[engine_pb2.GenerateManyOutput, object], None] | None
 
 
 class Replies:
@@ -54,6 +55,11 @@ class Replies:
 
     def output_with(self, fill: Callable[[engine_pb2.GenerateResponse, T], None], value: T) -> None:
         self._emit(self.request_id, _fill_output, (fill, value))
+
+    def next_token(self, token_id: int) -> None:
+        """An output of this one token and nothing else but usage, one completion token more than the
+        previous output's (``GenerateManyOutput.next_token``: ~5x cheaper to write than an output)."""
+        self._emit(self.request_id, None, token_id)
 
     def fail(self, exc: Exception) -> None:
         self._emit(self.request_id, _set_error, request_error(exc))
@@ -166,7 +172,10 @@ async def serve_generate_many(start_one: StartOne, request_iterator) -> AsyncIte
                 message = engine_pb2.GenerateManyResponse()
                 add = message.outputs.add
                 for request_id, fill, value in outbox:
-                    fill(add(request_id=request_id), value)
+                    if fill is None:
+                        add(request_id=request_id, next_token=value)
+                    else:
+                        fill(add(request_id=request_id), value)
                 outbox.clear()
                 yield message
             elif reader.done() and (not running or reader.exception() is not None):

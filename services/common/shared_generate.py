@@ -103,7 +103,10 @@ class _GenerateStream:
             call = self.calls.get(output.request_id)
             if call is None:  # cancelled while its output was on the way
                 continue
-            if output.HasField("error"):
+            result = output.WhichOneof("result")
+            if result == "next_token":
+                call.next_token(output.next_token)
+            elif result == "error":
                 call.deliver(_from_request_error(output.error))
             else:
                 call.deliver(output.output)
@@ -111,6 +114,17 @@ class _GenerateStream:
     def _on_fail(self, error: Exception, unsent: list) -> None:
         for call in list(self.calls.values()):
             call.deliver(error)
+
+
+def _next_output(last: engine_pb2.GenerateResponse | None, token_id: int) -> engine_pb2.GenerateResponse:
+    """The output a `next_token` entry stands for: ``token_id`` alone, with ``last``'s usage (the
+    request's previous output) one completion token further, and its replica."""
+    output = engine_pb2.GenerateResponse(token_ids=[token_id])
+    if last is not None:
+        output.usage.CopyFrom(last.usage)
+        output.replica_id = last.replica_id
+    output.usage.completion_tokens += 1
+    return output
 
 
 class SharedGenerateCall:
@@ -123,29 +137,46 @@ class SharedGenerateCall:
         self._id = request.request_id
         self._outputs: Inbox[engine_pb2.GenerateResponse | Exception] = Inbox()
         self._listener: Callable[[engine_pb2.GenerateResponse | Exception], None] | None = None
+        self._token_listener: Callable[[int], None] | None = None
+        self._last: engine_pb2.GenerateResponse | None = None  # the last output, for a next_token's usage
         self._done = False
         owner.stream.send(request)
         owner.calls[self._id] = self
         owner.stream.join()
         self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
-    def listen(self, listener: Callable[[engine_pb2.GenerateResponse | Exception], None]) -> None:
+    def listen(self, listener: Callable[[engine_pb2.GenerateResponse | Exception], None],
+               token_listener: Callable[[int], None] | None = None) -> None:
         """Hands each output to ``listener`` as soon as it is read, inside the reading of the stream's
         reply (no task woken per output), up to the one with a finish reason or the error that ends
-        the call; in place of iterating. Call it right after `SharedGenerate.generate`, before the
-        caller awaits anything: the replies are read by another task, so none has come yet."""
+        the call; in place of iterating. With ``token_listener``, an output of one token and nothing
+        else but a usage one completion token past the previous output's (a `next_token` entry) goes to
+        it as the token id instead. Call it right after `SharedGenerate.generate`, before the caller
+        awaits anything: the replies are read by another task, so none has come yet."""
         assert self._outputs.empty(), "listen() after outputs came"
-        self._listener = listener
+        self._listener, self._token_listener = listener, token_listener
 
     def deliver(self, output: engine_pb2.GenerateResponse | Exception) -> None:
         if self._listener is None:
             self._outputs.put(output)
+            if not isinstance(output, Exception):
+                self._last = output
             return
         if self._done:
             return
         if isinstance(output, Exception) or output.finish_reason:
             self._end()
+        elif self._token_listener is None:
+            self._last = output
         self._listener(output)
+
+    def next_token(self, token_id: int) -> None:
+        """A `next_token` entry: to the token listener, else as the output it stands for."""
+        if self._token_listener is not None:
+            if not self._done:
+                self._token_listener(token_id)
+            return
+        self.deliver(_next_output(self._last, token_id))
 
     def pending(self) -> bool:
         """Whether outputs came that were not read yet."""

@@ -29,7 +29,13 @@ from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.nats_events import EngineEvents
-from services.engine.protocol import fill_response, load_report, output_to_proto, sampling_params_from_proto
+from services.engine.protocol import (
+    fill_response,
+    follows_as_next_token,
+    load_report,
+    output_to_proto,
+    sampling_params_from_proto,
+)
 from services.engine.request import RequestTimes
 from services.engine.scheduler_output import RequestOutput
 from services.engine.stats_logger import StatsLogger
@@ -88,12 +94,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         """Starts a GenerateMany request (`services/common/generate_many`): as Generate's, untraced; each
         output goes to ``replies`` from the engine loop's callback, without a task of the request's own."""
         fill = self._fill
+        previous = None  # the request's last output passed on
 
         def on_output(output: RequestOutput | BaseException) -> None:
+            nonlocal previous
             if isinstance(output, BaseException):
                 replies.fail(output)
                 return
-            replies.output_with(fill, output)  # written into the stream's next message as it is built
+            if follows_as_next_token(output, previous):
+                replies.next_token(output.new_token_ids[0])
+            else:
+                replies.output_with(fill, output)  # written into the stream's next message as it is built
+            previous = output
             if output.finished:
                 replies.end()
 

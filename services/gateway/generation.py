@@ -12,6 +12,7 @@ no task woken per token; a choice on a Generate call of its own is read by a tas
 """
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,31 +110,48 @@ class ChoiceDecoder:
         # (none without stop strings: every token's text goes out as it comes)
         self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._num_tokens = 0
+        # the usage as of the last output (a next_token entry's is one completion token more)
+        self._prompt_tokens, self._completion_tokens, self._cached_tokens = len(spec.prompt_ids), 0, 0
         self.finished = False
 
     def feed(self, output: engine_pb2.GenerateResponse) -> Step:
-        """The output as a step. Runs once per choice and token: each of the output's fields is read once
-        (a protobuf field read builds a new Python object each time)."""
-        params, spec = self._params, self._spec
+        """The output as a step. Each of the output's fields is read once (a protobuf field read builds a
+        new Python object each time)."""
         token_ids = list(output.token_ids)
-        self._num_tokens += len(token_ids)
         finish = _FINISH_REASONS.get(output.finish_reason)
-        ends_on_stop_token = finish is not None and output.HasField("stop_token_id")
-        text = self._detokenizer.step(_rendered_ids(token_ids, finish, ends_on_stop_token, params,
-                                                    self._eos_token_ids))
-        if finish is not None:
+        stop_token_id = output.stop_token_id if finish is not None and output.HasField("stop_token_id") else None
+        usage = output.usage
+        self._prompt_tokens = usage.prompt_tokens or len(self._spec.prompt_ids)
+        self._completion_tokens = usage.completion_tokens or self._num_tokens + len(token_ids)
+        self._cached_tokens = usage.cached_prompt_tokens
+        logprobs = output.logprobs
+        step = self._step(token_ids, finish, stop_token_id, list(logprobs) if logprobs else [])  # most ask for none
+        if output.prompt_logprobs:
+            step.prompt_logprobs = list(output.prompt_logprobs)
+        return step
+
+    def feed_token(self, token_id: int) -> Step:
+        """A `next_token` entry as a step: an output of this one token, its usage one completion token
+        past the last output's. Runs once per choice and token."""
+        self._completion_tokens += 1
+        return self._step([token_id], None, None, [])
+
+    def _step(self, token_ids: list[int], finish: str | None, stop_token_id: int | None,
+              logprobs: list[engine_pb2.SampledLogprobs]) -> Step:
+        params, spec = self._params, self._spec
+        self._num_tokens += len(token_ids)
+        if finish is None:
+            text = self._detokenizer.step(token_ids)
+        else:
+            text = self._detokenizer.step(_rendered_ids(token_ids, finish, stop_token_id is not None, params,
+                                                        self._eos_token_ids))
             text += self._detokenizer.flush()
         stop = None
         if self._matcher is not None:
             match = self._matcher.feed(text, can_stop=self._num_tokens >= params.min_tokens)
             text, stop = match.text, match.stop
-        logprobs, usage = output.logprobs, output.usage
-        step = Step(spec.index, text, token_ids, list(logprobs) if logprobs else [],  # most requests ask for none
-                    prompt_tokens=usage.prompt_tokens or len(spec.prompt_ids),
-                    completion_tokens=usage.completion_tokens or self._num_tokens,
-                    cached_tokens=usage.cached_prompt_tokens)
-        if output.prompt_logprobs:
-            step.prompt_logprobs = list(output.prompt_logprobs)
+        step = Step(spec.index, text, token_ids, logprobs, prompt_tokens=self._prompt_tokens,
+                    completion_tokens=self._completion_tokens, cached_tokens=self._cached_tokens)
         if stop is not None:
             step.finish_reason, step.stop_reason = "stop", stop
             self._span.add_event(genai_span.STAGE_STOP_STRING, {
@@ -142,8 +160,8 @@ class ChoiceDecoder:
             if self._matcher is not None:
                 step.text += self._matcher.flush()
             step.finish_reason = finish
-            if ends_on_stop_token:  # (generation_config.json's extra EOS ids too, as vLLM)
-                step.stop_reason = output.stop_token_id
+            if stop_token_id is not None:  # (generation_config.json's extra EOS ids too, as vLLM)
+                step.stop_reason = stop_token_id
         self.finished = step.finish_reason is not None
         return step
 
@@ -178,32 +196,33 @@ class FanOut:
         for spec in specs:
             call = upstream.generate(spec.request)
             self._calls.append(call)
-            deliver = self._deliverer(call, ChoiceDecoder(upstream, spec, params, eos_token_ids, span),
-                                      spec.request.request_id)
+            decoder = ChoiceDecoder(upstream, spec, params, eos_token_ids, span)
+            request_id = spec.request.request_id
+            deliver = functools.partial(self._deliver, call, decoder, decoder.feed, request_id)
             if isinstance(call, SharedGenerateCall):
-                call.listen(deliver)
+                call.listen(deliver, functools.partial(self._deliver, call, decoder, decoder.feed_token, request_id))
             else:
                 self._readers.append(asyncio.create_task(_read(call, deliver)))
 
-    def _deliverer(self, call, decoder: ChoiceDecoder, request_id: str) -> Callable[[object], None]:
-        def deliver(item: engine_pb2.GenerateResponse | Exception) -> None:
-            """One output of the choice's call, or the error that ended it."""
-            if self._over or decoder.finished:
-                return
-            try:  # never raises: it runs inside the reading of a stream that other requests share
-                if isinstance(item, Exception):
-                    raise item
-                step = decoder.feed(item)
-                if decoder.finished:
-                    call.cancel()  # (a stop string: the engine would go on)
-                    self._remaining -= 1
-                self._sink.step(step)
-                if not self._remaining:
-                    self._over = self.finished = True
-                    self._sink.end()
-            except Exception as error:
-                self._fail(error, request_id)
-        return deliver
+    def _deliver(self, call, decoder: ChoiceDecoder, feed: Callable[[object], Step], request_id: str,
+                 item: engine_pb2.GenerateResponse | int | Exception) -> None:
+        """One output of the choice's call (``feed`` makes it a step: an output, or a token id alone), or
+        the error that ended it."""
+        if self._over or decoder.finished:
+            return
+        try:  # never raises: it runs inside the reading of a stream that other requests share
+            if isinstance(item, Exception):
+                raise item
+            step = feed(item)
+            if decoder.finished:
+                call.cancel()  # (a stop string: the engine would go on)
+                self._remaining -= 1
+            self._sink.step(step)
+            if not self._remaining:
+                self._over = self.finished = True
+                self._sink.end()
+        except Exception as error:
+            self._fail(error, request_id)
 
     def _fail(self, error: Exception, request_id: str) -> None:
         if isinstance(error, grpc.RpcError):

@@ -75,6 +75,50 @@ def test_a_listener_gets_each_output_as_its_reply_is_read_up_to_the_finish_or_th
     assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def first_and_last_in_full(message: engine_pb2.GenerateManyRequest) -> engine_pb2.GenerateManyResponse | None:
+    """Four tokens per request, as the engine sends them: the first and the last as outputs, the
+    others as next_token entries."""
+    reply = engine_pb2.GenerateManyResponse()
+    for request in message.requests:
+        add = reply.outputs.add
+        add(request_id=request.request_id, output=engine_pb2.GenerateResponse(
+            token_ids=[10], replica_id="engine-3",
+            usage=engine_pb2.Usage(prompt_tokens=7, completion_tokens=1, cached_prompt_tokens=4)))
+        add(request_id=request.request_id, next_token=11)
+        add(request_id=request.request_id, next_token=12)
+        add(request_id=request.request_id, output=engine_pb2.GenerateResponse(
+            token_ids=[13], finish_reason=engine_pb2.FINISH_REASON_LENGTH, replica_id="engine-3",
+            usage=engine_pb2.Usage(prompt_tokens=7, completion_tokens=4, cached_prompt_tokens=4)))
+    return reply if reply.outputs else None
+
+
+def test_a_next_token_entry_reads_as_the_output_it_stands_for_or_goes_to_a_token_listener():
+    """A reader (or a listener without a token listener) gets a next_token as the output it stands for:
+    the token, the previous output's usage one completion token further, its replica; a token listener
+    gets the id alone, in order with the outputs around it."""
+    async def run():
+        shared = SharedGenerate(lambda: ScriptedCall(first_and_last_in_full))
+        read = [output async for output in shared.generate(engine_pb2.GenerateRequest(request_id="read"))]
+        listened, tokens = [], []
+        shared.generate(engine_pb2.GenerateRequest(request_id="plain")).listen(listened.append)
+        shared.generate(engine_pb2.GenerateRequest(request_id="tokens")).listen(
+            tokens.append, lambda token_id: tokens.append(("token", token_id)))
+        for _ in range(100):
+            if len(listened) == 4 and len(tokens) == 4:
+                break
+            await asyncio.sleep(0.01)
+        return read, listened, tokens
+
+    read, listened, tokens = asyncio.run(run())
+    for outputs in (read, listened):
+        assert [(list(o.token_ids), o.usage.completion_tokens, o.usage.prompt_tokens, o.usage.cached_prompt_tokens,
+                 o.replica_id, o.finish_reason) for o in outputs] == [
+            ([10], 1, 7, 4, "engine-3", 0), ([11], 2, 7, 4, "engine-3", 0), ([12], 3, 7, 4, "engine-3", 0),
+            ([13], 4, 7, 4, "engine-3", engine_pb2.FINISH_REASON_LENGTH)]
+    assert [list(tokens[0].token_ids), tokens[1], tokens[2], list(tokens[3].token_ids)] == [
+        [10], ("token", 11), ("token", 12), [13]]
+
+
 def test_requests_queued_during_a_write_go_out_together_as_the_next_message():
     async def run():
         calls = []

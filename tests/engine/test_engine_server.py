@@ -134,6 +134,21 @@ def _finished(outputs: list) -> bool:
     return bool(outputs) and (outputs[-1].HasField("error") or outputs[-1].output.finish_reason != 0)
 
 
+def _as_outputs(entries: list) -> list[engine_pb2.GenerateResponse]:
+    """One request's GenerateMany entries as the outputs they stand for: a ``next_token`` is the token
+    alone, with the previous output's usage one completion token further and its replica."""
+    outputs = []
+    for entry in entries:
+        if entry.HasField("next_token"):
+            output = engine_pb2.GenerateResponse(token_ids=[entry.next_token], replica_id=outputs[-1].replica_id)
+            output.usage.CopyFrom(outputs[-1].usage)
+            output.usage.completion_tokens += 1
+        else:
+            output = entry.output
+        outputs.append(output)
+    return outputs
+
+
 def test_generate_many_serves_requests_as_their_own_generate_streams_would(engine):
     """Requests started together on one GenerateMany stream get the tokens their own Generate streams
     get (greedy); a bad request and a duplicate id get the error entry their own stream's status would
@@ -151,10 +166,11 @@ def test_generate_many_serves_requests_as_their_own_generate_streams_would(engin
     many.send(aborts=["many-long"])
     for i, (rid, prompt) in enumerate(prompts.items()):
         own = list(engine.stub.Generate(generate_request(f"own-{i}", prompt, 5 + i, temperature=0.0), timeout=30))
-        outputs = many.outputs[rid]
-        assert [t for o in outputs for t in o.output.token_ids] == [t for r in own for t in r.token_ids]
-        assert outputs[-1].output.finish_reason == engine_pb2.FINISH_REASON_LENGTH
-        assert outputs[-1].output.usage.completion_tokens == 5 + i
+        entries = many.outputs[rid]
+        assert _as_outputs(entries) == own  # every output, its usage and replica included
+        assert own[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH and own[-1].usage.completion_tokens == 5 + i
+        # (the first output, with the prompt's usage, and the last, with its finish reason, in full)
+        assert [e.WhichOneof("result") for e in entries] == ["output"] + ["next_token"] * (3 + i) + ["output"]
     bad = many.outputs["many-bad"][-1].error
     assert bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "top_p" in bad.message
     duplicate = next(o for o in many.outputs["many-long"] if o.HasField("error")).error

@@ -34,10 +34,15 @@ def outputs(token_ids: list[int]) -> list[engine_pb2.GenerateResponse]:
 
 
 def generate_many(message: engine_pb2.GenerateManyRequest) -> engine_pb2.GenerateManyResponse | None:
-    """Every request gets "abcdef", all in one reply."""
+    """Every request gets "abcdef", all in one reply, as the engine sends it: the first and last tokens
+    as outputs with their usage (1 prompt token, 1 of them cached), the others as next_token entries."""
     reply = engine_pb2.GenerateManyResponse()
     for request in message.requests:
-        for output in outputs([0, 1, 2, 3, 4, 5]):
+        for k, output in enumerate(outputs([0, 1, 2, 3, 4, 5])):
+            if 0 < k < 5:
+                reply.outputs.add(request_id=request.request_id, next_token=output.token_ids[0])
+                continue
+            output.usage.prompt_tokens, output.usage.completion_tokens, output.usage.cached_prompt_tokens = 1, k + 1, 1
             reply.outputs.add(request_id=request.request_id, output=output)
     return reply if reply.outputs else None
 
@@ -104,6 +109,19 @@ class Sink:
 def start(upstream: Upstream, params: GenerationParams, sink: Sink, request_id: str = "r") -> FanOut:
     specs = plan_choices(request_id, [[0]], [16], params)
     return FanOut(upstream, specs, params, frozenset(), sink, trace.get_current_span())
+
+
+def test_steps_carry_each_output_text_and_the_running_usage():
+    async def run():
+        sink = Sink()
+        start(Upstream(), GenerationParams(), sink)
+        await asyncio.wait_for(sink.done.wait(), 5)
+        return sink
+
+    sink = asyncio.run(run())
+    assert [(s.text, s.token_ids, s.completion_tokens, s.prompt_tokens, s.cached_tokens) for s in sink.steps] == [
+        (LETTERS[k], [k], k + 1, 1, 1) for k in range(6)]
+    assert sink.steps[-1].finish_reason == "length" and sink.ended == 1
 
 
 def test_a_stop_string_ends_the_choice_and_aborts_it_in_the_engine():

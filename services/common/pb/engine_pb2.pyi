@@ -171,14 +171,16 @@ class RequestError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class GenerateManyOutput(_message.Message):
-    __slots__ = ("request_id", "output", "error")
+    __slots__ = ("request_id", "output", "error", "next_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output: GenerateResponse
     error: RequestError
-    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+    next_token: int
+    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class GenerateManyResponse(_message.Message):
     __slots__ = ("outputs",)
