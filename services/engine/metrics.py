@@ -9,6 +9,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics_http import start_metrics_server
+from services.engine.batch_histogram import BatchHistogram
 from services.engine.scheduler import SchedulerStats
 from services.engine.scheduler_output import RequestOutput
 from services.engine.structured_output.grammars import GrammarStats
@@ -85,8 +86,10 @@ class EngineMetrics:
                                      _REQUEST_LATENCY_BUCKETS)
         self.inference_time = histogram("request_inference_time_seconds", "Time from first scheduled to the last "
                                         "token.", _REQUEST_LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between two consecutive tokens "
-                                             "of a request.", _INTER_TOKEN_BUCKETS)
+        # one value per generated token: taken in a catch-up's worth at a time (see BatchHistogram)
+        self.inter_token_latency = BatchHistogram("strata:inter_token_latency_seconds", "Time between two "
+                                                  "consecutive tokens of a request.", dict(zip(labels, values)),
+                                                  _INTER_TOKEN_BUCKETS, self.registry)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.",
                                                _LENGTH_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per finished "
@@ -145,21 +148,24 @@ class EngineMetrics:
     def catch_up(self) -> None:
         """Takes the queued steps into the series, in order; safe from any thread."""
         with self._catch_up_lock:
+            inter_token_s: list[float] = []
             while self._queued:
-                self._record_step(*self._queued.popleft())
+                self._record_step(*self._queued.popleft(), inter_token_s)
+            self.inter_token_latency.observe_all(inter_token_s)
             for callback in self._also_on_catch_up:
                 callback()
 
     def _record_step(self, outputs: list[RequestOutput], stats: SchedulerStats, step_seconds: float,
-                     num_batched_tokens: int) -> None:
+                     num_batched_tokens: int, inter_token_s: list[float]) -> None:
+        """Takes a step into the series; its outputs' inter-token latencies into ``inter_token_s``."""
         generated = prompts = 0  # counted over the step, each counter's lock taken once
         for output in outputs:
             generated += len(output.new_token_ids)
             if output.is_first:
                 prompts += output.num_prompt_tokens
             times = output.times
-            if times.inter_token_s is not None:
-                self.inter_token_latency.observe(times.inter_token_s)
+            if (since_previous := times.inter_token_s) is not None:
+                inter_token_s.append(since_previous)
             if output.finished:
                 self.request_success.labels(*self._values, output.finish_reason).inc()
                 self.queue_time.observe(times.queue_s)
