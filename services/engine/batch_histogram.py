@@ -42,6 +42,10 @@ class BatchHistogram:
             self._counts = [a + b for a, b in zip(self._counts, counts)]
             self._sum += total
 
+    def describe(self) -> list[HistogramMetricFamily]:
+        """The series' names, for the registry (which refuses a name registered twice)."""
+        return [HistogramMetricFamily(self._name, self._documentation, labels=self._label_names)]
+
     def collect(self) -> list[HistogramMetricFamily]:
         with self._lock:
             counts, total = list(self._counts), self._sum

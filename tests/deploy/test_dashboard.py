@@ -78,6 +78,8 @@ def labels_of(registry, name: str) -> set[str]:
         suffixes = SUFFIXES.get(family.type, ("",))
         if name in {family.name + suffix for suffix in suffixes}:
             metric = registry._names_to_collectors[family.name + suffixes[0]]
+            if not hasattr(metric, "_labelnames"):  # a collector of our own: the labels of its samples
+                return {label for sample in family.samples if sample.name == name for label in sample.labels}
             return set(metric._labelnames) | ({"le"} if name.endswith("_bucket") else set())
     return set()
 
