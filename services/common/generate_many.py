@@ -58,7 +58,7 @@ class Replies:
 
     def next_token(self, token_id: int) -> None:
         """An output of this one token and nothing else but usage, one completion token more than the
-        previous output's (``GenerateManyOutput.next_token``: ~5x cheaper to write than an output)."""
+        previous output's (``GenerateManyOutput.next_token``: 0.33 us to write against an output's 1.53)."""
         self._emit(self.request_id, None, token_id)
 
     def fail(self, exc: Exception) -> None:

@@ -1,11 +1,11 @@
 """A Prometheus histogram that takes its values a batch at a time, for a series observed once per
 generated token (the inter-token latency): `observe_all` counts a batch into the buckets under one
-lock, where prometheus_client's `Histogram.observe` takes three locks per value (the sum's, the
-bucket's, and its own lookups). Exposed as prometheus_client's own histogram is (``_bucket`` with
+lock, where prometheus_client's `Histogram.observe` takes two locks per value (its sum's and its
+bucket's) and scans the buckets one by one. Exposed as prometheus_client's own histogram is (``_bucket`` with
 cumulative counts up to ``+Inf``, ``_count``, ``_sum``), without the ``_created`` sample.
 
 Measured in one process (48 outputs a step, 400 steps): the engine's metrics took in each output in
-1.14 us with every inter-token latency observed alone, 0.37 us with them counted a batch at a time;
+1.14 us with every inter-token latency observed alone, 0.47 us with them counted a batch at a time;
 in the stack the engine loop does this between two decode steps, on caches the step left cold.
 """
 
