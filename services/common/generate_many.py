@@ -49,9 +49,16 @@ class Replies:
     def __init__(self, request_id: str, emit: Callable[[str, Fill, object], None],
                  ended: Callable[["Replies"], None]) -> None:
         self.request_id, self._emit, self._ended = request_id, emit, ended
+        self._last: engine_pb2.GenerateResponse | None = None  # the last output(), as `next_token` compares
 
     def output(self, response: engine_pb2.GenerateResponse) -> None:
-        self._emit(self.request_id, _copy_output, response)
+        """As `next_token` where it is one token and nothing else but a usage one completion token past
+        the previous output's, from the same replica (the router's relay of the engine's)."""
+        if _follows_as_next_token(response, self._last):
+            self.next_token(response.token_ids[0])
+        else:
+            self._emit(self.request_id, _copy_output, response)
+        self._last = response
 
     def output_with(self, fill: Callable[[engine_pb2.GenerateResponse, T], None], value: T) -> None:
         self._emit(self.request_id, _fill_output, (fill, value))
@@ -67,6 +74,15 @@ class Replies:
 
     def end(self) -> None:
         self._ended(self)
+
+
+def _follows_as_next_token(response: engine_pb2.GenerateResponse, last: engine_pb2.GenerateResponse | None) -> bool:
+    if last is None or len(response.token_ids) != 1 or response.finish_reason or response.logprobs \
+            or response.prompt_logprobs or response.HasField("stop_token_id") or response.replica_id != last.replica_id:
+        return False
+    usage, last_usage = response.usage, last.usage
+    return (usage.completion_tokens == last_usage.completion_tokens + 1 and usage.prompt_tokens == last_usage.prompt_tokens
+            and usage.cached_prompt_tokens == last_usage.cached_prompt_tokens)
 
 
 def _copy_output(entry: engine_pb2.GenerateManyOutput, response: engine_pb2.GenerateResponse) -> None:

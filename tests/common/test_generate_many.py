@@ -43,3 +43,28 @@ def test_the_stream_ends_when_its_requests_end_in_the_turn_of_their_last_output(
     relayed = errors["relayed-refusal"]
     assert (relayed.message, relayed.param, relayed.error_code) == ("prompt too long", "messages",
                                                                     "context_length_exceeded")
+
+
+def test_a_relayed_output_of_one_token_and_usage_one_past_the_last_goes_as_next_token():
+    """The router's relay: what the engine sent as next_token (one token, usage one completion token
+    past the previous output's, the same replica) goes on as next_token; the first output, one from
+    another replica (a migration) and the last go in full."""
+    def output(token: int, completion: int, replica: str = "engine-0", finish: int = 0) -> engine_pb2.GenerateResponse:
+        return engine_pb2.GenerateResponse(token_ids=[token], replica_id=replica, finish_reason=finish,
+                                           usage=engine_pb2.Usage(prompt_tokens=9, completion_tokens=completion,
+                                                                  cached_prompt_tokens=4))
+
+    relayed = [output(5, 1), output(6, 2), output(7, 3), output(8, 4, "engine-1"), output(9, 5, "engine-1"),
+               output(10, 7, "engine-1"), output(11, 8, "engine-1", engine_pb2.FINISH_REASON_LENGTH)]
+
+    async def relay(request):
+        for response in relayed:
+            yield response
+
+    async def run():
+        return [o async for reply in serve_generate_many(in_tasks(relay), one_message("r")) for o in reply.outputs]
+
+    entries = asyncio.run(asyncio.wait_for(run(), timeout=5))
+    assert [(e.WhichOneof("result"), e.next_token if e.HasField("next_token") else list(e.output.token_ids))
+            for e in entries] == [("output", [5]), ("next_token", 6), ("next_token", 7), ("output", [8]),
+                                  ("next_token", 9), ("output", [10]), ("output", [11])]

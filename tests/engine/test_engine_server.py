@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.pb import engine_pb2
 from services.engine.threads import openmp_wait_env
+from tests.many_entries import as_outputs
 from tests.processes import EngineProcess, generate_request
 from tests.waiting import wait_until
 
@@ -134,21 +135,6 @@ def _finished(outputs: list) -> bool:
     return bool(outputs) and (outputs[-1].HasField("error") or outputs[-1].output.finish_reason != 0)
 
 
-def _as_outputs(entries: list) -> list[engine_pb2.GenerateResponse]:
-    """One request's GenerateMany entries as the outputs they stand for: a ``next_token`` is the token
-    alone, with the previous output's usage one completion token further and its replica."""
-    outputs = []
-    for entry in entries:
-        if entry.HasField("next_token"):
-            output = engine_pb2.GenerateResponse(token_ids=[entry.next_token], replica_id=outputs[-1].replica_id)
-            output.usage.CopyFrom(outputs[-1].usage)
-            output.usage.completion_tokens += 1
-        else:
-            output = entry.output
-        outputs.append(output)
-    return outputs
-
-
 def test_generate_many_serves_requests_as_their_own_generate_streams_would(engine):
     """Requests started together on one GenerateMany stream get the tokens their own Generate streams
     get (greedy); a bad request and a duplicate id get the error entry their own stream's status would
@@ -167,8 +153,12 @@ def test_generate_many_serves_requests_as_their_own_generate_streams_would(engin
     for i, (rid, prompt) in enumerate(prompts.items()):
         own = list(engine.stub.Generate(generate_request(f"own-{i}", prompt, 5 + i, temperature=0.0), timeout=30))
         entries = many.outputs[rid]
-        assert _as_outputs(entries) == own  # every output, its usage and replica included
-        assert own[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH and own[-1].usage.completion_tokens == 5 + i
+        outputs = as_outputs(entries)
+        assert [t for o in outputs for t in o.token_ids] == [t for r in own for t in r.token_ids]
+        # each output's usage counts the tokens so far (a next_token's too), its replica is the engine's
+        assert [(o.usage.prompt_tokens, o.usage.completion_tokens, o.replica_id) for o in outputs] == [
+            (len(prompt), k + 1, "engine-0") for k in range(5 + i)]
+        assert outputs[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
         # (the first output, with the prompt's usage, and the last, with its finish reason, in full)
         assert [e.WhichOneof("result") for e in entries] == ["output"] + ["next_token"] * (3 + i) + ["output"]
     bad = many.outputs["many-bad"][-1].error

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from services.common.pb import engine_pb2
+from tests.many_entries import as_outputs
 from tests.nats_subscriber import Subscriber
 from tests.processes import RouterProcess, generate_request, start_fleet
 
@@ -78,11 +79,14 @@ def test_generate_many_through_the_router_places_each_request_and_answers_as_gen
     assert bad[0].error.param == "top_p"
     replicas = set()
     for rid, prompt in prompts.items():
-        tokens = [t for o in outputs[rid] for t in o.output.token_ids]
+        relayed = as_outputs(outputs[rid])
         alone = list(router.stub.Generate(generate_request(f"{rid}-alone", prompt, 6, temperature=0.0), timeout=60))
-        assert tokens == [t for o in alone for t in o.token_ids]
-        replicas.add(outputs[rid][-1].output.replica_id)
-        assert outputs[rid][-1].output.finish_reason
+        assert [t for o in relayed for t in o.token_ids] == [t for o in alone for t in o.token_ids]
+        assert [(o.usage.prompt_tokens, o.usage.completion_tokens) for o in relayed] == [(30, k + 1) for k in range(6)]
+        # (the engine's next_token entries go on as such: all but the first and the last)
+        assert [o.WhichOneof("result") for o in outputs[rid]] == ["output"] + ["next_token"] * 4 + ["output"]
+        replicas.add(relayed[-1].replica_id)
+        assert relayed[-1].finish_reason
     assert replicas == {"e0", "e1"}
 
 
