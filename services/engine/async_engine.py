@@ -368,17 +368,18 @@ class SubmittedRequest:
 
     def __init__(self, engine: AsyncEngine, request_id: str, on_output) -> None:
         self._engine, self._request_id, self._on_output = engine, request_id, on_output
-        self._gate = _StreamInterval(engine.stream_interval)
+        self._gate = _StreamInterval(engine.stream_interval) if engine.stream_interval > 1 else None  # (1: all pass)
         self.done = False
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         """An output or error from the engine thread (the request's sink, as generate()'s queue)."""
         if self.done:
             return
-        item = self._gate.admit(item)
-        if item is None:
-            return
-        ended = isinstance(item, BaseException) or item.finished
+        if self._gate is not None:
+            item = self._gate.admit(item)
+            if item is None:
+                return
+        ended = isinstance(item, BaseException) or item.finish_reason is not None
         if ended:
             self.done = True
             self._engine._close(self._request_id, finished=True)

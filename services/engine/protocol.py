@@ -76,10 +76,10 @@ def follows_as_next_token(output: RequestOutput, previous: RequestOutput | None)
     """Whether ``output`` can go on a GenerateMany stream as its entry's ``next_token``: one token and
     nothing else but a usage that is ``previous``'s (the request's output before it, as sent) with one
     more completion token. Most outputs of a decoding request are."""
-    return (previous is not None and len(output.new_token_ids) == 1 and output.finish_reason is None
-            and not output.logprobs and not output.prompt_logprobs and output.stop_token_id is None
-            and output.num_output_tokens == previous.num_output_tokens + 1
-            and max(output.num_cached_tokens, 0) == max(previous.num_cached_tokens, 0)
+    return (previous is not None and output.num_output_tokens == previous.num_output_tokens + 1
+            and len(output.new_token_ids) == 1 and output.finish_reason is None and not output.logprobs
+            and not output.prompt_logprobs and output.stop_token_id is None
+            and output.num_cached_tokens == previous.num_cached_tokens
             and output.num_prompt_tokens == previous.num_prompt_tokens)
 
 
