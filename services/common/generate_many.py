@@ -47,14 +47,16 @@ class Replies:
     message is built: the engine's outputs go in field by field, with no message of their own to copy."""
 
     def __init__(self, request_id: str, emit: Callable[[str, Fill, object], None],
-                 ended: Callable[["Replies"], None]) -> None:
+                 ended: Callable[["Replies"], None], next_token_entries: bool = False) -> None:
         self.request_id, self._emit, self._ended = request_id, emit, ended
+        self.next_token_entries = next_token_entries  # the caller reads them (GenerateManyRequest's flag)
         self._last: engine_pb2.GenerateResponse | None = None  # the last output(), as `next_token` compares
 
     def output(self, response: engine_pb2.GenerateResponse) -> None:
-        """As `next_token` where it is one token and nothing else but a usage one completion token past
-        the previous output's, from the same replica (the router's relay of the engine's)."""
-        if _follows_as_next_token(response, self._last):
+        """As `next_token` where the caller reads them and it is one token and nothing else but a usage
+        one completion token past the previous output's, from the same replica (the router's relay of
+        the engine's)."""
+        if self.next_token_entries and _follows_as_next_token(response, self._last):
             self.next_token(response.token_ids[0])
         else:
             self._emit(self.request_id, _copy_output, response)
@@ -65,7 +67,8 @@ class Replies:
 
     def next_token(self, token_id: int) -> None:
         """An output of this one token and nothing else but usage, one completion token more than the
-        previous output's (``GenerateManyOutput.next_token``: 0.33 us to write against an output's 1.53)."""
+        previous output's (``GenerateManyOutput.next_token``: 0.33 us to write against an output's 1.53);
+        only where ``next_token_entries``."""
         self._emit(self.request_id, None, token_id)
 
     def fail(self, exc: Exception) -> None:
@@ -159,9 +162,9 @@ async def serve_generate_many(start_one: StartOne, request_iterator) -> AsyncIte
             del running[replies.request_id]
         wake.set()
 
-    def start(request: engine_pb2.GenerateRequest) -> None:
+    def start(request: engine_pb2.GenerateRequest, next_token_entries: bool) -> None:
         request_id = request.request_id
-        replies = Replies(request_id, emit, ended)
+        replies = Replies(request_id, emit, ended, next_token_entries)
         if not request_id or request_id in running:
             problem = "is required" if not request_id else f"{request_id!r} is already running"
             replies.fail(InvalidRequestError(f"GenerateMany: request_id {problem}", param="request_id"))
@@ -178,7 +181,7 @@ async def serve_generate_many(start_one: StartOne, request_iterator) -> AsyncIte
                 if entry is not None:
                     entry[1].cancel()  # the engine aborts the request (frees its blocks)
             for request in message.requests:
-                start(request)
+                start(request, message.next_token_entries)
 
     reader = asyncio.create_task(read_requests())
     reader.add_done_callback(lambda _: wake.set())

@@ -90,7 +90,7 @@ class _GenerateStream:
 
     @staticmethod
     def _message(items: list) -> engine_pb2.GenerateManyRequest:
-        message = engine_pb2.GenerateManyRequest()
+        message = engine_pb2.GenerateManyRequest(next_token_entries=True)  # (SharedGenerateCall reads them)
         for item in items:
             if isinstance(item, str):
                 message.abort_request_ids.append(item)

@@ -101,7 +101,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if isinstance(output, BaseException):
                 replies.fail(output)
                 return
-            if follows_as_next_token(output, previous):
+            if replies.next_token_entries and follows_as_next_token(output, previous):
                 replies.next_token(output.new_token_ids[0])
             else:
                 replies.output_with(fill, output)  # written into the stream's next message as it is built

@@ -23,8 +23,9 @@ async def run_one(request: engine_pb2.GenerateRequest):
         yield engine_pb2.GenerateResponse(token_ids=[k], finish_reason=engine_pb2.FINISH_REASON_LENGTH if k == 2 else 0)
 
 
-async def one_message(*request_ids: str):
-    yield engine_pb2.GenerateManyRequest(requests=[engine_pb2.GenerateRequest(request_id=r) for r in request_ids])
+async def one_message(*request_ids: str, next_token_entries: bool = False):
+    yield engine_pb2.GenerateManyRequest(requests=[engine_pb2.GenerateRequest(request_id=r) for r in request_ids],
+                                         next_token_entries=next_token_entries)
 
 
 def test_the_stream_ends_when_its_requests_end_in_the_turn_of_their_last_output():
@@ -46,9 +47,9 @@ def test_the_stream_ends_when_its_requests_end_in_the_turn_of_their_last_output(
 
 
 def test_a_relayed_output_of_one_token_and_usage_one_past_the_last_goes_as_next_token():
-    """The router's relay: what the engine sent as next_token (one token, usage one completion token
-    past the previous output's, the same replica) goes on as next_token; the first output, one from
-    another replica (a migration) and the last go in full."""
+    """The router's relay to a caller that reads next_token entries: what the engine sent as next_token
+    (one token, usage one completion token past the previous output's, the same replica) goes on as
+    next_token; the first output, one from another replica (a migration) and the last go in full."""
     def output(token: int, completion: int, replica: str = "engine-0", finish: int = 0) -> engine_pb2.GenerateResponse:
         return engine_pb2.GenerateResponse(token_ids=[token], replica_id=replica, finish_reason=finish,
                                            usage=engine_pb2.Usage(prompt_tokens=9, completion_tokens=completion,
@@ -61,10 +62,14 @@ def test_a_relayed_output_of_one_token_and_usage_one_past_the_last_goes_as_next_
         for response in relayed:
             yield response
 
-    async def run():
-        return [o async for reply in serve_generate_many(in_tasks(relay), one_message("r")) for o in reply.outputs]
+    async def run(next_token_entries: bool):
+        return [o async for reply in serve_generate_many(in_tasks(relay), one_message("r", next_token_entries=
+                                                                                     next_token_entries))
+                for o in reply.outputs]
 
-    entries = asyncio.run(asyncio.wait_for(run(), timeout=5))
+    entries = asyncio.run(asyncio.wait_for(run(True), timeout=5))
     assert [(e.WhichOneof("result"), e.next_token if e.HasField("next_token") else list(e.output.token_ids))
             for e in entries] == [("output", [5]), ("next_token", 6), ("next_token", 7), ("output", [8]),
                                   ("next_token", 9), ("output", [10]), ("output", [11])]
+    # a caller that does not read them (no next_token_entries on its message) gets every output in full
+    assert [e.output for e in asyncio.run(asyncio.wait_for(run(False), timeout=5))] == relayed

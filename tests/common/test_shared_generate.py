@@ -54,6 +54,7 @@ def test_outputs_reach_their_request_and_an_error_reads_as_the_requests_own_stat
     gateway_error = errors.from_grpc(error, "engine")  # what the gateway makes of it, as of its own stream's
     assert (gateway_error.status, gateway_error.param) == (400, "top_p")
     assert [list(m.abort_request_ids) for m in calls[0].written if m.abort_request_ids] == [["c"]]
+    assert all(m.next_token_entries for m in calls[0].written)  # (the call reads next_token entries)
     assert len(calls) == 1 and calls[0].half_closed
 
 

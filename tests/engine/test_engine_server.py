@@ -117,8 +117,9 @@ class _ManyCall:
         self._call = stub.GenerateMany(iter(self._messages.get, None), timeout=60)
         self.outputs: dict[str, list] = collections.defaultdict(list)
 
-    def send(self, requests=(), aborts=()) -> None:
-        self._messages.put(engine_pb2.GenerateManyRequest(requests=requests, abort_request_ids=aborts))
+    def send(self, requests=(), aborts=(), next_token_entries=True) -> None:
+        self._messages.put(engine_pb2.GenerateManyRequest(requests=requests, abort_request_ids=aborts,
+                                                          next_token_entries=next_token_entries))
 
     def read_until(self, done) -> None:
         while not done():
@@ -138,14 +139,20 @@ def _finished(outputs: list) -> bool:
 def test_generate_many_serves_requests_as_their_own_generate_streams_would(engine):
     """Requests started together on one GenerateMany stream get the tokens their own Generate streams
     get (greedy); a bad request and a duplicate id get the error entry their own stream's status would
-    carry, and the others go on; an aborted request gets nothing more and frees its blocks."""
+    carry, and the others go on; an aborted request gets nothing more and frees its blocks; outputs of one
+    token go as next_token entries to a caller that reads them."""
     assert engine.stub.Info(engine_pb2.EngineInfoRequest(), timeout=5).generate_many
     prompts = {f"many-{i}": [3 + i, 9, 27, 81 % 50 + i] for i in range(3)}
     many = _ManyCall(engine.stub)
     many.send([generate_request(rid, prompt, 5 + i, temperature=0.0) for i, (rid, prompt) in enumerate(prompts.items())]
               + [generate_request("many-bad", [1, 2], 4, top_p=1.5), generate_request("many-long", [5] * 40, 1500)])
-    many.read_until(lambda: all(_finished(many.outputs[rid]) for rid in [*prompts, "many-bad"])
+    # a caller from before next_token entries (no next_token_entries on its message) gets every output in full
+    many.send([generate_request("many-old", [4, 9, 27, 33], 5, temperature=0.0)], next_token_entries=False)
+    many.read_until(lambda: all(_finished(many.outputs[rid]) for rid in [*prompts, "many-bad", "many-old"])
                     and many.outputs["many-long"])
+    old = many.outputs["many-old"]
+    assert [e.WhichOneof("result") for e in old] == ["output"] * 5
+    assert [o.usage.completion_tokens for o in as_outputs(old)] == [1, 2, 3, 4, 5]
     many.send([generate_request("many-long", [6, 7], 3)], aborts=[])  # the same id again, while it runs
     many.read_until(lambda: any(o.HasField("error") for o in many.outputs["many-long"]))
     load = engine.stub.Load(engine_pb2.LoadRequest(), timeout=5)  # before the abort: the long request runs

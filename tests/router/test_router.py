@@ -71,7 +71,8 @@ def test_generate_many_through_the_router_places_each_request_and_answers_as_gen
     requests = [generate_request(rid, prompt, 6, temperature=0.0) for rid, prompt in prompts.items()]
     requests.append(generate_request("m-bad", [1, 2], 2, top_p=1.5))
     outputs: dict[str, list] = {}
-    for reply in router.stub.GenerateMany(iter([engine_pb2.GenerateManyRequest(requests=requests)]), timeout=60):
+    message = engine_pb2.GenerateManyRequest(requests=requests, next_token_entries=True)
+    for reply in router.stub.GenerateMany(iter([message]), timeout=60):
         for output in reply.outputs:
             outputs.setdefault(output.request_id, []).append(output)
     bad = outputs.pop("m-bad")

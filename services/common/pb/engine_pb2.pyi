@@ -151,12 +151,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerateManyRequest(_message.Message):
-    __slots__ = ("requests", "abort_request_ids")
+    __slots__ = ("requests", "abort_request_ids", "next_token_entries")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ABORT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
     abort_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    next_token_entries: bool
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort_request_ids: _Optional[_Iterable[str]] = ..., next_token_entries: _Optional[bool] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("code", "message", "param", "error_code")
