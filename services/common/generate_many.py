@@ -80,6 +80,8 @@ class Replies:
 
 
 def _follows_as_next_token(response: engine_pb2.GenerateResponse, last: engine_pb2.GenerateResponse | None) -> bool:
+    """The engine's rule (`services.engine.protocol.follows_as_next_token`) on the protobuf, the same
+    replica too (a migrated request's first output from another one goes in full)."""
     if last is None or len(response.token_ids) != 1 or response.finish_reason or response.logprobs \
             or response.prompt_logprobs or response.HasField("stop_token_id") or response.replica_id != last.replica_id:
         return False

@@ -75,7 +75,8 @@ def fill_response(response: engine_pb2.GenerateResponse, output: RequestOutput, 
 def follows_as_next_token(output: RequestOutput, previous: RequestOutput | None) -> bool:
     """Whether ``output`` can go on a GenerateMany stream as its entry's ``next_token``: one token and
     nothing else but a usage that is ``previous``'s (the request's output before it, as sent) with one
-    more completion token. Most outputs of a decoding request are."""
+    more completion token. Most outputs of a decoding request are. (`generate_many` applies the same
+    rule to a relayed GenerateResponse, the router's.)"""
     return (previous is not None and output.num_output_tokens == previous.num_output_tokens + 1
             and len(output.new_token_ids) == 1 and output.finish_reason is None and not output.logprobs
             and not output.prompt_logprobs and output.stop_token_id is None
