@@ -121,12 +121,14 @@ class ThreadGovernor:
     beside one busy process: 64 streams of short cached prompts decoded faster on one thread, 4540
     rows/s against 3940, 64 streams of 64-512-token prompts on two, 2280 against 2150; alone, one
     stream and 64 on two), so the governor measures it. It times decode steps in windows of
-    ``window_steps``; when a probe is due, the last window is the baseline and the next runs at a
-    neighbouring size, which is kept when its decode rate (rows per second of decode steps) is
-    ``min_gain`` better at about the same batch size (``_judge``), else the size goes back. A probe
-    is due every ``probe_every_s``, after ``retry_s`` when the batch size changed during the last one,
-    and at once when a window shows a batch 1.5 times larger or smaller than the one the last probe
-    kept, or the same batch decoding more than 25% slower or 33% faster (a neighbour came or went).
+    ``window_steps`` steps and ``window_seconds`` of them at least (a few short steps catch a
+    neighbour's bursts: see `after_step`); when a probe is due, the last window is the baseline and
+    the next runs at a neighbouring size, which is kept when its decode rate (rows per second of
+    decode steps) is ``min_gain`` better at about the same batch size (``_judge``), else the size
+    goes back. A probe is due every ``probe_every_s``, after ``retry_s`` when the batch size changed
+    during the last one, and at once when a window shows a batch 1.5 times larger or smaller than the
+    one the last probe kept, or the same batch decoding more than 25% slower or 33% faster (a
+    neighbour came or went).
     Between 1 and ``ceiling``.
 
     A probe down to fewer threads runs only while the cores are contended: while this process's
@@ -139,13 +141,12 @@ class ThreadGovernor:
     one stream 16 decode steps last ~30 ms, and over so few the share crossed a third now and then
     through ``strata up`` alone, where a probe then put the engine on one thread.
 
-    Where the cores are contended and the process got half a core or more fewer than its team
-    (``cores_got``: the CPU seconds its threads ran per second of steps) in two measures in a row, or
-    three quarters of a core or more fewer in one (``WHOLE_CORE_SHORT``), the team shrinks to the
-    cores it got at once, without a probe, and a probe up to more threads is judged lost while they
-    would get no more. Where half a core or more of the usable ones sat idle in the last measure
-    (``usable_cores_idle``), a team below the ceiling tries one thread more at once: the cores'
-    takers left. A probe needs two windows of comparable batches, which a ramping load (64
+    Where the cores are contended and the process got three quarters of a core or more fewer than its
+    team (``cores_got``: the CPU seconds its threads ran per second of steps; ``WHOLE_CORE_SHORT``),
+    the team shrinks to the cores it got at once, without a probe, and a probe up to more threads is
+    judged lost while they would get no more. Where half a core or more of the usable ones sat idle
+    in the last measure (``usable_cores_idle``), a team below the ceiling tries one thread more at
+    once: the cores' takers left. A probe needs two windows of comparable batches, which a ramping load (64
     streams starting) does not give for many seconds: beside one busy process on 2 cores through
     ``strata up``, the engine got 0.85-0.99 cores on two threads (waiting 44-50% of the time; alone:
     1.5-1.8 cores, waiting 4-20%), and the probes moved decode steps to one thread 8-36 s into runs of
@@ -172,7 +173,7 @@ class ThreadGovernor:
         self._last_core_idle = self._core_idle()
         self.idle_cores: float | None = None  # the usable cores left idle in the last measure; None: not known
         self._idle_trial_after = 0.0  # when idle cores may start a trial up again
-        self._short_before = self._short_now = False  # short of cores in the measure before the last, the last
+        self._short_now = False  # short of cores in the last measure
         self.contended_share: float | None = None  # of the last measure; None: not known here
         self.cores_got: float | None = None  # in the last measure; None: not known here
         self._applied = threading.local()  # the team size set last, per thread (OpenMP's is per thread)
@@ -201,15 +202,21 @@ class ThreadGovernor:
             return
         if self._step_seconds >= self.window_seconds:  # every step counts: a load that starts with many
             self._measure_contention()                 # prompts prefills for seconds before it decodes
-            if self._trial_from is None and self._short_of_cores(settled=True):
+            if self._trial_from is None and self._short_now:
                 self._shrink_to_cores_got()
         if not decode_only or num_rows == 0:
             return
         self._rows += num_rows
         self._seconds += seconds
         self._steps += 1
-        if self._steps < self.window_steps or (self._trial_from is not None and not self._trial_measured):
-            return  # a trial goes on until the cores its threads got are known
+        # A window lasts window_seconds too: the baseline of a probe, and a trial, which goes on until
+        # the cores its threads got are known. One stream's 16 steps last ~35 ms: beside a neighbour
+        # running 4 ms of every 10 on one core of 2 (through `strata up`, small, bfloat16), windows of
+        # 16 steps made each size beat the other in turn (six changes in a run of 25 s, 382-395 tok/s),
+        # windows of 0.5 s kept two threads throughout (no change in six runs; see _short_of_cores).
+        if self._steps < self.window_steps or self._seconds < self.window_seconds or (
+                self._trial_from is not None and not self._trial_measured):
+            return
         window = (self._rows / self._seconds, self._rows / self._steps)  # (rows per second, rows per step)
         self._rows = self._seconds = self._steps = 0.0
         if self._trial_from is not None:
@@ -252,7 +259,7 @@ class ThreadGovernor:
             waited, ran = now[0] - self._last_core_wait[0], now[1] - self._last_core_wait[1]
             self.contended_share = max(0.0, waited) / max(waited + ran, 1e-9)
             self.cores_got = max(0.0, ran) / self._step_seconds if self._step_seconds > 0 else None
-        self._short_before, self._short_now = self._short_now, self._short_of_cores()
+        self._short_now = self._short_of_cores()
         self._last_core_wait = now
         self._step_seconds, self._trial_measured = 0.0, True
 
@@ -263,20 +270,21 @@ class ThreadGovernor:
             return self._last_core_wait is None
         return self.contended_share >= CONTENDED_SHARE
 
-    def _short_of_cores(self, settled: bool = False) -> bool:
-        """The cores are contended and the last measure's team got half a core or more fewer than its
-        threads; ``settled``: and either the measure before was short too, or this one three quarters
-        of a core or more. A neighbour that runs all the time takes a whole core in every measure
-        after the one it started in (beside one busy process on 2 cores through ``strata up``, two
-        threads got 0.98-1.09 cores, waiting 49-55% of their time; alone 1.48-1.98 at 1 and at 64
-        streams, waiting 1-14%, 39% in one measure in ~70), so one measure tells it: at one stream the
-        team shrank 1.0 s after the busy process started instead of 1.8 (through `strata up` on 2 cores,
-        bfloat16; one thread decodes faster there)."""
-        short = (self.threads > 1 and self.cores_got is not None and self._contended()
-                 and self.cores_got <= self.threads - 0.5)
-        if not settled or not short:
-            return short
-        return self._short_before or self.cores_got <= self.threads - WHOLE_CORE_SHORT
+    def _short_of_cores(self) -> bool:
+        """The cores are contended and the last measure's team got WHOLE_CORE_SHORT or more fewer than
+        its threads. A neighbour that runs all the time takes a whole core in every measure after the
+        one it started in (beside one busy process on 2 cores through ``strata up``, two threads got
+        0.98-1.22 cores, waiting 40-55% of their time; alone 1.48-1.98 at 1 and at 64 streams, waiting
+        1-14%, 39% in one measure in ~70), so one measure tells it: at one stream the team shrank 1.0 s
+        after the busy process started (through `strata up` on 2 cores, bfloat16; one thread decodes
+        faster there). One that takes part of a core leaves a team short by less, and faster than one
+        thread fewer: beside a neighbour running 4 ms of every 10 on one core of 2, one stream through
+        `strata up` (small, bfloat16), two threads got 1.34-1.40 cores, waiting 34-38% of their time.
+        Shrunk at half a core short (two measures in a row), the team won its way back by a probe now
+        and then and was shrunk again at the next measure (3-17 changes in a run of ~25 s): 340-388
+        tok/s in four runs, against 358-405 now (no change) and 380-419 on `--num-threads 2`."""
+        return (self.threads > 1 and self.cores_got is not None and self._contended()
+                and self.cores_got <= self.threads - WHOLE_CORE_SHORT)
 
     def _cores_left_idle(self) -> bool:
         """Fewer threads than the ceiling while half a core or more of the usable ones sat idle in the
