@@ -146,8 +146,8 @@ class ThreadGovernor:
     the team shrinks to the cores it got at once, without a probe, and a probe up to more threads is
     judged lost while they would get no more. Where half a core or more of the usable ones sat idle
     in the last measure (``usable_cores_idle``), a team below the ceiling tries one thread more at
-    once: the cores' takers left. A probe needs two windows of comparable batches, which a ramping load (64
-    streams starting) does not give for many seconds: beside one busy process on 2 cores through
+    once: the cores' takers left. A probe needs two windows of comparable batches, which a ramping
+    load (64 streams starting) does not give for many seconds: beside one busy process on 2 cores through
     ``strata up``, the engine got 0.85-0.99 cores on two threads (waiting 44-50% of the time; alone:
     1.5-1.8 cores, waiting 4-20%), and the probes moved decode steps to one thread 8-36 s into runs of
     ~30 s; measuring the cores moved every step there within a few seconds.

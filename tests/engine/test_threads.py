@@ -414,6 +414,6 @@ def test_a_window_lasts_window_seconds_so_a_neighbours_bursts_average_out():
 
     governor.step_ms = step_ms
     for _ in range(6):
-        decode(governor, clock, 1, 2500)  # 5-7 s, then the next probe is due
+        decode(governor, clock, 1, 2500)  # ~6 s, then the next probe is due
         clock.now += 10.0
     assert governor.threads == 2 and sizes == [1, 2] * 6  # every probe down lost
