@@ -47,6 +47,17 @@ def test_many_rows_in_row_blocks(dtype, m):
         assert torch.equal(y[:whole], by_pass)
 
 
+@pytest.mark.parametrize("k", [5, 1376])
+def test_one_row_sums_each_panel_as_alone(k):
+    # float32's one row streams three panels at once (panel_group_f32<1, 3>): each output still sums as
+    # its panel would alone, the same bits
+    x, weight, _ = _case(1, 123, k, torch.float32, bias=False)
+    together = small_m_linear(x, block_weight(weight), None, 123)
+    alone = torch.cat([small_m_linear(x, block_weight(weight[o:o + PANEL]), None, min(PANEL, 123 - o))
+                       for o in range(0, 123, PANEL)], dim=1)
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 4, 9])
 def test_logits_shape(dtype, m):

@@ -202,12 +202,47 @@ struct SpreadPrefetch {
 // in acc[j * kRowsPerPass + i]: each broadcast of x feeds NP FMAs and NP * MR independent sums hide the
 // FMA latency (8 rows x 3 panels: 11 loads per 24 FMAs, where one panel took 9 per 8). Each output's sum
 // runs in the same order as panel_f32's, so the results are the same bits.
+// One row is bound by the weight read, not the arithmetic: there the NP panels are NP streams of weight
+// in flight at once, each with panel_f32<1>'s kChains sums (the same bits again), where one panel at a
+// time was one stream, and one core reads a single stream far below its share of the bandwidth (on the
+// 2-vCPU Xeon, a sum over 104 MB: 10-14 GB/s, 15-27 with three streams). The small shape's float32
+// batch-1 decode step at a context of 256, the two kernels alternating in one process (12-18 rounds of
+// 300 steps): two threads 2.71-3.09 -> 2.55-2.70 ms, one thread 4.66-5.96 -> 4.42-5.67 ms; the same
+// tokens. bfloat16 gained nothing so (two threads 1.49-1.65 ms either way): it keeps one panel at a
+// time (run_panels_bf16).
 // `ahead`: `ahead_lines` 64-byte lines that the thread reads next, requested into L2 evenly over the
 // k loop, so that their trip from memory overlaps this arithmetic (run_panels_f32).
 template <int MR, int NP>
 void panel_group_f32(const float* x_pass, const float* panel, int64_t panel_elems, int64_t k, float (*acc)[kPanel],
                      const char* ahead = nullptr, int64_t ahead_lines = 0) {
 #ifdef __AVX512F__
+    if constexpr (MR == 1) {  // NP weight streams in flight, each panel's kChains sums as panel_f32<1>'s
+        __m512 sum[NP][kChains];
+        for (int j = 0; j < NP; ++j)
+            for (int c = 0; c < kChains; ++c) sum[j][c] = _mm512_setzero_ps();
+        SpreadPrefetch next(ahead, ahead_lines, k / kChains);
+        int64_t kk = 0;
+        for (; kk + kChains <= k; kk += kChains) {
+            next.step();
+            for (int c = 0; c < kChains; ++c) {
+                const __m512 xb = _mm512_set1_ps(x_pass[kk + c]);
+                for (int j = 0; j < NP; ++j) {
+                    const float* w = panel + j * panel_elems + (kk + c) * kPanel;
+                    prefetch<MR>(w);
+                    sum[j][c] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(w), sum[j][c]);
+                }
+            }
+        }
+        for (; kk < k; ++kk) {
+            const __m512 xb = _mm512_set1_ps(x_pass[kk]);
+            for (int j = 0; j < NP; ++j)
+                sum[j][0] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(panel + j * panel_elems + kk * kPanel), sum[j][0]);
+        }
+        for (int j = 0; j < NP; ++j)
+            _mm512_storeu_ps(acc[j * kRowsPerPass],
+                             _mm512_add_ps(_mm512_add_ps(sum[j][0], sum[j][1]), _mm512_add_ps(sum[j][2], sum[j][3])));
+        return;
+    }
     if constexpr (MR > 1) {
         __m512 sum[NP][MR];
         for (int j = 0; j < NP; ++j)
@@ -514,13 +549,6 @@ void dispatch_rows(int rows, Args... args) {
     }
 }
 
-template <int MR>
-struct PanelF32 {
-    static void run(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel]) {
-        panel_f32<MR>(x_pass, panel, k, acc);
-    }
-};
-
 template <int NP>
 struct PanelGroupF32 {
     template <int MR>
@@ -664,8 +692,8 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
     });
 }
 
-// run_panels for float32, from two rows up kGroupPanels panels at a time (panel_group_f32; the last
-// group takes what is left). One row is bound by the weight read, not the arithmetic: it keeps run_panels.
+// run_panels for float32, kGroupPanels panels at a time (panel_group_f32; the last group takes what is
+// left).
 // While a group computes, the group the thread takes next (ProgressSplit::items_ahead) streams into L2:
 // otherwise each group's first pass of rows waits on memory and the other passes leave it idle. Over
 // the small shape's 32 float32 matrices, two threads, 9-64 rows: 10-15% more GFLOP/s, the same bits
@@ -679,16 +707,11 @@ void run_panels(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* 
 // of a block in turn, so that the block's rows stay in L2 while the groups stream past them: otherwise
 // every group reads all of x again from L3 (from 256 rows, bfloat16: 1.025x the GFLOP/s).
 //
-// run_panel_groups is that loop for either dtype: PanelGroup<NP>::Rows<MR> the group kernel, Single<MR>
-// the one-row one, `k` the kernels' K steps (elements for float32, pairs for bfloat16).
-template <template <int> class PanelGroup, template <int> class Single, typename XT, typename WT, typename Store,
-          typename Split>
+// run_panel_groups is that loop for either dtype: PanelGroup<NP>::Rows<MR> the group kernel, `k` the
+// kernels' K steps (elements for float32, pairs for bfloat16).
+template <template <int> class PanelGroup, typename XT, typename WT, typename Store, typename Split>
 void run_panel_groups(const XT* x_packed, int64_t m, int64_t x_pass_stride, const WT* blocked, int64_t panel_elems,
                       int64_t k, int64_t n, Store store, Split& split) {
-    if (m == 1) {
-        run_panels<Single>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store, split);
-        return;
-    }
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
     const int64_t num_groups = (num_panels + kGroupPanels - 1) / kGroupPanels;
     const int64_t passes = passes_of(m);
@@ -733,20 +756,22 @@ void run_panel_groups(const XT* x_packed, int64_t m, int64_t x_pass_stride, cons
 template <typename Store, typename Split>
 void run_panels_f32(const float* x_packed, int64_t m, int64_t x_pass_stride, const float* blocked,
                     int64_t panel_elems, int64_t k, int64_t n, Store store, Split& split) {
-    run_panel_groups<PanelGroupF32, PanelF32>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store, split);
+    run_panel_groups<PanelGroupF32>(x_packed, m, x_pass_stride, blocked, panel_elems, k, n, store, split);
 }
 
-// bfloat16 in groups of panels where the CPU multiplies bf16 pairs (panel_group_bf16); elsewhere one
-// panel at a time, as before (the AVX-512F and AVX2 paths convert each pair to float32).
+// bfloat16 in groups of panels from two rows up where the CPU multiplies bf16 pairs (panel_group_bf16);
+// elsewhere, and for one row (see panel_group_f32), one panel at a time (the AVX-512F and AVX2 paths
+// convert each pair to float32).
 template <typename Store, typename Split>
 void run_panels_bf16(const XElement* x_packed, int64_t m, int64_t x_pass_stride, const uint16_t* blocked,
                      int64_t panel_elems, int64_t k_pairs, int64_t n, Store store, Split& split) {
 #if defined(__AVX512BF16__)
-    run_panel_groups<PanelGroupBF16, PanelBF16>(x_packed, m, x_pass_stride, blocked, panel_elems, k_pairs, n, store,
-                                                split);
-#else
-    run_panels<PanelBF16>(x_packed, m, x_pass_stride, blocked, panel_elems, k_pairs, n, store, split);
+    if (m > 1) {
+        run_panel_groups<PanelGroupBF16>(x_packed, m, x_pass_stride, blocked, panel_elems, k_pairs, n, store, split);
+        return;
+    }
 #endif
+    run_panels<PanelBF16>(x_packed, m, x_pass_stride, blocked, panel_elems, k_pairs, n, store, split);
 }
 
 // ---- bfloat16 on AMX tiles ----
