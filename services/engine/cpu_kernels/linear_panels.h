@@ -205,7 +205,7 @@ struct SpreadPrefetch {
 // One row is bound by the weight read, not the arithmetic: there the NP panels are NP streams of weight
 // in flight at once, each with panel_f32<1>'s kChains sums (the same bits again), where one panel at a
 // time was one stream, and one core reads a single stream far below its share of the bandwidth (on the
-// 2-vCPU Xeon, a sum over 104 MB: 10-14 GB/s, 15-27 with three streams). The small shape's float32
+// 2-vCPU Xeon, a sum over 104 MB: 10-15 GB/s, 15-27 with three streams). The small shape's float32
 // batch-1 decode step at a context of 256, the two kernels alternating in one process (12-18 rounds of
 // 300 steps): two threads 2.71-3.09 -> 2.55-2.70 ms, one thread 4.66-5.96 -> 4.42-5.67 ms; the same
 // tokens. bfloat16 gained nothing so (two threads 1.49-1.65 ms either way): it keeps one panel at a
