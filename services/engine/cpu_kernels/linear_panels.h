@@ -208,8 +208,8 @@ struct SpreadPrefetch {
 // 2-vCPU Xeon, a sum over 104 MB: 10-15 GB/s, 15-27 with three streams). The small shape's float32
 // batch-1 decode step at a context of 256, the two kernels alternating in one process (12-18 rounds of
 // 300 steps): two threads 2.71-3.09 -> 2.55-2.70 ms, one thread 4.66-5.96 -> 4.42-5.67 ms; the same
-// tokens. bfloat16 gained nothing so (two threads 1.49-1.65 ms either way): it keeps one panel at a
-// time (run_panels_bf16).
+// tokens. bfloat16 gained nothing so (two threads 1.50-1.65 ms before, 1.47-1.84 with three streams):
+// it keeps one panel at a time (run_panels_bf16).
 // `ahead`: `ahead_lines` 64-byte lines that the thread reads next, requested into L2 evenly over the
 // k loop, so that their trip from memory overlaps this arithmetic (run_panels_f32).
 template <int MR, int NP>
