@@ -16,10 +16,10 @@ per thread, from memory. Both can be beaten. A core keeps more reads in flight o
 once: on the 2-vCPU Xeon, a native sum over 512 MB read 20-23 GB/s on two threads as one stream each,
 27-31 as three streams each (`torch.sum` 22-24); over the scattered 16 KB blocks of a paged pool, one
 K block and one V block at a time per thread 22-24 GB/s, two to four pairs at a time 25-28 (the
-engine's decode attention reads its K/V at ~19). And what stays in the last-level cache between steps
-(the small shape's weights, in the Xeon's 480 MB L3) reads faster still: its batch-1 step runs at
-0.54-0.63x the bandwidth floor (`decode_floors.py`). The K/V share of the floor is then the floor of
-an engine that reads the K/V from memory one stream per thread.
+engine's float32 decode attention reads its K/V at ~19). And what stays in the last-level cache
+between steps (the small shape's weights, in the Xeon's 480 MB L3) reads faster still: its batch-1
+step runs at 0.54-0.63x the bandwidth floor (`decode_floors.py`). The K/V share of the floor is then
+the floor of an engine that reads the K/V from memory one stream per thread.
 
 Both rates are the best of a few passes, and on a machine shared with others the best pass moves from
 run to run while a whole workload's rate moves less: on a 2-vCPU Xeon VM the read bandwidth came out
