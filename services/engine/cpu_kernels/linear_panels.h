@@ -122,32 +122,12 @@ void panel_rows_bf16_avx2(const float* x_pass, const uint16_t* panel, int64_t k_
 }
 #endif
 
-// acc[i][o] = sum_k x_pass[k][i] * panel[k][o]; x_pass: [k][MR]
+// acc[i][o] = sum_k x_pass[k][i] * panel[k][o]; x_pass: [k][MR]. Used only without AVX-512, where
+// panel_group_f32 falls back to it panel by panel; with AVX-512 panel_group_f32 runs every panel itself
+// (one row included), each output summed in the same order.
 template <int MR>
 void panel_f32(const float* x_pass, const float* panel, int64_t k, float (*acc)[kPanel]) {
-#ifdef __AVX512F__
-    if constexpr (MR == 1) {  // one row: kChains independent sums, not one chain of FMA latencies
-        __m512 sum[kChains];
-        for (int c = 0; c < kChains; ++c) sum[c] = _mm512_setzero_ps();
-        int64_t kk = 0;
-        for (; kk + kChains <= k; kk += kChains)
-            for (int c = 0; c < kChains; ++c) {
-                prefetch<MR>(panel + (kk + c) * kPanel);
-                sum[c] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[kk + c]), _mm512_loadu_ps(panel + (kk + c) * kPanel), sum[c]);
-            }
-        for (; kk < k; ++kk) sum[0] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[kk]), _mm512_loadu_ps(panel + kk * kPanel), sum[0]);
-        _mm512_storeu_ps(acc[0], _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
-        return;
-    }
-    __m512 sum[MR];
-    for (int i = 0; i < MR; ++i) sum[i] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; ++kk) {
-        prefetch<MR>(panel + kk * kPanel);
-        __m512 w = _mm512_loadu_ps(panel + kk * kPanel);
-        for (int i = 0; i < MR; ++i) sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_pass[kk * MR + i]), w, sum[i]);
-    }
-    for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc[i], sum[i]);
-#elif defined(STRATA_AVX2)
+#if defined(STRATA_AVX2)
     if constexpr (MR == 1) {  // as the AVX-512 path: kChains sums, each in two halves
         __m256 lo[kChains], hi[kChains];
         for (int c = 0; c < kChains; ++c) lo[c] = hi[c] = _mm256_setzero_ps();
@@ -216,7 +196,7 @@ template <int MR, int NP>
 void panel_group_f32(const float* x_pass, const float* panel, int64_t panel_elems, int64_t k, float (*acc)[kPanel],
                      const char* ahead = nullptr, int64_t ahead_lines = 0) {
 #ifdef __AVX512F__
-    if constexpr (MR == 1) {  // NP weight streams in flight, each panel's kChains sums as panel_f32<1>'s
+    if constexpr (MR == 1) {  // NP weight streams in flight, each panel's kChains sums as panel_f32<1>'s (AVX2)
         __m512 sum[NP][kChains];
         for (int j = 0; j < NP; ++j)
             for (int c = 0; c < kChains; ++c) sum[j][c] = _mm512_setzero_ps();
@@ -265,7 +245,7 @@ void panel_group_f32(const float* x_pass, const float* panel, int64_t panel_elem
         return;
     }
 #endif
-    for (int j = 0; j < NP; ++j)  // one row (its own kChains sums), or no AVX-512
+    for (int j = 0; j < NP; ++j)  // no AVX-512
         panel_f32<MR>(x_pass, panel + j * panel_elems, k, acc + j * kRowsPerPass);
 }
 
