@@ -88,9 +88,15 @@ class ChildProcess:
         self.starts = 0
 
     def spawn(self) -> None:
+        # A process group of its own, so that a terminal's Ctrl-C reaches only this process (which stops
+        # its children in order), but not a session of its own: Linux's autogroup scheduler shares the
+        # cores between sessions first, and an engine in a session of its own got at most one core of
+        # two beside one busy process of the user's session however many threads it ran (on 2 cores
+        # through `strata up`, one stream, float32: tok/s fell 1.80-2.13x beside it in a session of its
+        # own, 1.46-1.61x in the user's with its threads bound, cpu_kernels/core_binding.h; alone the same).
         self.process = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
             preexec_fn=die_with_parent_batch_scheduled if self.batch_scheduled else die_with_parent_not_batch_scheduled,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         if self.cpus:

@@ -85,6 +85,11 @@ class EngineConfig:
     num_threads: int | None = flag(None, "CPU threads for the model's kernels, fixed (default: adapted to the load "
                                          "between one and OMP_NUM_THREADS or the cores this process may use, by "
                                          "timing decode steps; threads.ThreadGovernor)")
+    bind_threads: bool = flag(True, "on the CPU, one kernel thread per core while a step runs on two or more: "
+                                    "each thread bound to one of the cores this process may use, where its "
+                                    "threads may fill them all (default: on; OpenMP's own binding, "
+                                    "OMP_PROC_BIND or OMP_PLACES, turns it off)",
+                              action=argparse.BooleanOptionalAction)
     stream_interval: int = flag(1, "tokens per streamed output after the first one (which goes at once) and before "
                                    "the last, as vLLM's flag: 1 streams every token as it is made; larger values "
                                    "send fewer, bigger messages through the stack, which leaves more CPU to the "

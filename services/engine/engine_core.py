@@ -45,7 +45,9 @@ class EngineCore:
             event_sink=event_sink or NullKvEventSink(),
         )
         self.last_num_batched_tokens = 0
-        self.threads = thread_governor(config.num_threads) if self.model_runner.device.type == "cpu" else None
+        step = self.model_runner.decode_step
+        self.threads = (thread_governor(config.num_threads, bound=bool(step and step.thread_cores))
+                        if self.model_runner.device.type == "cpu" else None)
         self._failures: dict[str, Exception] = {}
 
     @property

@@ -1,6 +1,7 @@
 """Runs one scheduled step: builds the flat batch, runs the model over the paged KV cache, samples."""
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler_output import ModelRunnerOutput, SampledLogprobs, ScheduledChunk, SchedulerOutput
 from services.engine.structured_output.manager import StructuredOutputManager
 from services.engine.structured_output.masks import StepMasks
+from services.engine.threads import binding_cores
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +254,11 @@ class ModelRunner:
             return None
         if self.dtype == torch.bfloat16 and native_linear.uses_amx(NATIVE_MAX_ROWS, self.model_config.hidden_size):
             log.info("bfloat16 projections of more than a few rows run on this CPU's AMX tiles")
-        return decode_forward.DecodeStep(self.model, self.kv_caches, self.attention.scale)
+        cores = binding_cores(self.config.bind_threads, self.config.num_threads, os.environ)
+        if cores:
+            log.info("kernel threads bound one per core (cores %s) while a step runs on two or more",
+                     ",".join(map(str, cores)))
+        return decode_forward.DecodeStep(self.model, self.kv_caches, self.attention.scale, thread_cores=cores)
 
     def free_request(self, request_id: str) -> None:
         """Drop a finished request's sampler state (its seeded generator)."""

@@ -12,6 +12,9 @@ Both are set where an engine process starts (`strata engine`, `strata generate`,
   for this CPU; a user's own `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is left as it is.
 - The thread count: `--num-threads`, else `OMP_NUM_THREADS` when set, else the cores this process
   may run on (its CPU affinity, which `taskset`, cgroups' cpusets and container limits narrow).
+- Where the threads run: while a step runs on two threads or more, one on each of the cores this
+  process may use (`binding_cores`, `cpu_kernels/core_binding.h`), where the engine's threads may fill
+  them all; `--no-bind-threads` leaves them to the OS, as does a user's own OpenMP binding.
 """
 
 import ctypes
@@ -98,6 +101,28 @@ def resolve_num_threads(num_threads: int | None, environ: Mapping[str, str]) -> 
     return usable_cores()
 
 
+# OpenMP's own thread binding: where the user asks for it, the engine binds nothing itself.
+OPENMP_BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
+
+
+def binding_cores(bind: bool, num_threads: int | None, environ: Mapping[str, str]) -> tuple[int, ...]:
+    """The cores the kernel threads of a step bind to, thread i to the i-th (while a step runs on two
+    or more): the usable cores in order, where ``bind`` (--bind-threads) and the engine's threads may fill
+    them all (``resolve_num_threads`` is their number: the default, or a count equal to it), and the
+    environment names no OpenMP binding of its own. Else none, and the OS places the threads.
+
+    Only an engine that owns its cores binds: a container whose affinity is a whole machine's cores but
+    that runs, say, ``--num-threads 4`` leaves its threads free, or every such engine on the machine
+    would bind its threads to the same first four cores."""
+    if not bind or any(name in environ for name in OPENMP_BINDING_VARIABLES):
+        return ()
+    try:
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return ()
+    return cores if len(cores) >= 2 and resolve_num_threads(num_threads, environ) == len(cores) else ()
+
+
 def set_num_threads(num_threads: int | None) -> int:
     """Sets torch's intra-op thread count (see `resolve_num_threads`); returns it. Call it from the
     thread that will run the model's steps, before the first one."""
@@ -152,6 +177,14 @@ class ThreadGovernor:
     1.5-1.8 cores, waiting 4-20%), and the probes moved decode steps to one thread 8-36 s into runs of
     ~30 s; measuring the cores moved every step there within a few seconds.
 
+    A team whose threads are bound one per core (``bound``: ``binding_cores``) is never sized by the
+    cores it got, only by probes: bound, a thread that shares its core with a neighbour still does its
+    share of the items while it runs: beside one busy process of the same session, two bound threads got
+    1.1-1.25 cores through `strata up` and decoded faster than one (the small shape's float32 batch-1
+    step in-process on 2 cores: 3.4-4.0 ms against 4.8-5.3); beside one of another session, which
+    Linux's autogroup scheduler gives a core of its own, they got 1.0-1.2 cores and one thread decoded
+    faster (4.9-5.3 ms against 5.5-6.3). The probes tell them apart; the cores got do not.
+
     Every step runs on the governed team, prefills included: fewer threads than cores means their
     cores were taken, and a prefill's matrix products (oneDNN splits them evenly between the threads)
     wait for a thread that lost its core as a decode step does. The one exception is a step that runs
@@ -163,10 +196,11 @@ class ThreadGovernor:
 
     def __init__(self, ceiling: int, probe_every_s: float = 10.0, window_steps: int = 16,
                  min_gain: float = 0.05, retry_s: float = 0.5, window_seconds: float = 0.5, clock=None,
-                 set_threads=None, core_wait=None, core_idle=None) -> None:
+                 set_threads=None, core_wait=None, core_idle=None, bound: bool = False) -> None:
         import time
 
         self.ceiling = self.threads = ceiling
+        self.bound = bound  # threads bound one per core: sized by probes only
         self._core_wait = core_wait or process_core_wait
         self._last_core_wait = self._core_wait()
         self._core_idle = core_idle or usable_cores_idle
@@ -283,7 +317,7 @@ class ThreadGovernor:
         Shrunk at half a core short (two measures in a row), the team won its way back by a probe now
         and then and was shrunk again at the next measure (3-17 changes in a run of ~25 s): 340-388
         tok/s in four runs, against 358-405 now (no change) and 380-419 on `--num-threads 2`."""
-        return (self.threads > 1 and self.cores_got is not None and self._contended()
+        return (not self.bound and self.threads > 1 and self.cores_got is not None and self._contended()
                 and self.cores_got <= self.threads - WHOLE_CORE_SHORT)
 
     def _cores_left_idle(self) -> bool:
@@ -410,9 +444,10 @@ def usable_cores_idle() -> tuple[int, int, int] | None:
     return (idle, total, counted) if counted else None
 
 
-def thread_governor(num_threads: int | None) -> ThreadGovernor | None:
+def thread_governor(num_threads: int | None, bound: bool = False) -> ThreadGovernor | None:
     """The governor of an engine whose thread count was not fixed with ``--num-threads``: it adapts
-    between one thread and ``resolve_num_threads`` (OMP_NUM_THREADS, else the usable cores)."""
+    between one thread and ``resolve_num_threads`` (OMP_NUM_THREADS, else the usable cores); ``bound``:
+    its steps bind their threads one per core."""
     if num_threads is not None:
         return None
-    return ThreadGovernor(resolve_num_threads(None, os.environ))
+    return ThreadGovernor(resolve_num_threads(None, os.environ), bound=bound)

@@ -237,3 +237,43 @@ def test_more_threads_than_cores_compute_the_same_bits(checkpoint, dtype, min_ch
             assert torch.equal(hidden(), first)
     finally:
         torch.set_num_threads(threads)
+
+
+def _threads_on_one_core(core: int) -> int:
+    """This process's threads whose CPU affinity is ``core`` alone."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/status") as status:
+                allowed = next(line.split()[1] for line in status if line.startswith("Cpus_allowed_list"))
+        except (OSError, StopIteration):
+            continue
+        count += allowed == str(core)
+    return count
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binds threads to two cores")
+def test_threads_bound_one_per_core_compute_the_same_bits_and_give_the_caller_its_cores_back(checkpoint):
+    """core_binding.h: a step on two threads binds OpenMP's other thread to the second core for good and
+    the calling thread to the first for the step only, then gives it its mask back (threads and
+    processes it starts later inherit that)."""
+    runner = make_runner(checkpoint, "float32")
+    cores = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    bound = decode_forward.DecodeStep(runner.model, runner.kv_caches, runner.attention.scale, thread_cores=cores)
+    free = decode_forward.DecodeStep(runner.model, runner.kv_caches, runner.attention.scale)
+    requests, tables = prefill([runner], list(range(1, 40, 3)))
+    batch = runner._prepare(SchedulerOutput([ScheduledChunk(r, 1, t) for r, t in zip(requests, tables)]).chunks)
+    md = batch.metadata
+    mask = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        expected = free(batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)
+        for _ in range(5):
+            hidden = bound(batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)
+            assert torch.equal(hidden, expected)
+            assert os.sched_getaffinity(0) == mask
+        assert _threads_on_one_core(cores[1]) >= 1
+    finally:
+        torch.set_num_threads(threads)

@@ -12,6 +12,7 @@ from services.engine.cpu_kernels.build import load_library
 from services.engine.threads import (
     OPENMP_SPIN_SECONDS,
     ThreadGovernor,
+    binding_cores,
     openmp_spin_count,
     openmp_wait_env,
     resolve_num_threads,
@@ -417,3 +418,35 @@ def test_a_window_lasts_window_seconds_so_a_neighbours_bursts_average_out():
         decode(governor, clock, 1, 2500)  # ~6 s, then the next probe is due
         clock.now += 10.0
     assert governor.threads == 2 and sizes == [1, 2] * 6  # every probe down lost
+
+
+def test_a_bound_team_is_sized_by_probes_not_by_the_cores_it_got():
+    # beside a busy process of the same session: two bound threads get 1.2 cores and decode faster
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 5.0, 2: 3.7}[threads], contended=0.45)
+    governor.bound = True
+    governor.core_wait.cores = lambda: {1: 1.0, 2: 1.2}[governor.threads]
+    decode(governor, clock, 1, 400)
+    assert governor.threads == 2 and sizes == [1, 2]  # the probe down lost; no shrink to the cores got
+    clock.now += 10.0
+    decode(governor, clock, 1, 8)  # the next probe (down: two is the ceiling) loses again
+    assert governor.threads == 2 and sizes == [1, 2, 1, 2]
+    # beside one of another session: the same cores got, but one thread decodes faster
+    governor, sizes, clock = make_governor(2, lambda threads, rows: {1: 5.0, 2: 5.8}[threads], contended=0.45)
+    governor.bound = True
+    governor.core_wait.cores = lambda: {1: 1.0, 2: 1.2}[governor.threads]
+    decode(governor, clock, 1, 40)
+    assert governor.threads == 1 and sizes == [1]
+
+
+def test_binding_cores_are_the_usable_ones_where_the_threads_may_fill_them(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 2, 3})
+    assert binding_cores(True, None, {}) == (2, 3, 5)  # the default thread count: every usable core
+    assert binding_cores(True, 3, {}) == (2, 3, 5)
+    assert binding_cores(True, None, {"OMP_NUM_THREADS": "3"}) == (2, 3, 5)
+    assert binding_cores(True, 2, {}) == ()  # fewer threads than cores: the OS places them
+    assert binding_cores(True, None, {"OMP_NUM_THREADS": "2"}) == ()
+    assert binding_cores(False, None, {}) == ()  # --no-bind-threads
+    for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        assert binding_cores(True, None, {name: "true"}) == ()  # OpenMP binds them itself
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4})
+    assert binding_cores(True, None, {}) == ()  # one core: nothing to spread

@@ -27,6 +27,7 @@
 // (services/engine/models/llama.py) rounds it, so both compute the same numbers up to the order of
 // float32 sums in the norms.
 
+#include "core_binding.h"
 #include "linear_panels.h"
 #include "paged_decode_kernels.h"
 #include "paged_prefill_kernels.h"
@@ -93,6 +94,8 @@ struct StepInputs {
   int64_t num_prefills;         // P: prompt chunks, rows D onwards
   const int64_t* query_start;   // [P + 1]: chunk p's rows are D + query_start[p] .. D + query_start[p + 1] - 1
   const int64_t* context_lens;  // [P]: positions of chunk p's request before its first new token
+  const int32_t* thread_cores;  // the cores the region's threads bind to, one each (core_binding.h); null: none
+  int64_t num_thread_cores;
 };
 
 // x[m, k] W^T from inside the parallel region (a phase of `split`), each row's float32 sums handed to
@@ -323,8 +326,11 @@ void decode_step(const ModelWeights& mw, const StepInputs& in, StepArena& arena)
     });
   };
 
+  const CoreList cores{in.thread_cores, in.num_thread_cores};
+  MasterBinding master_binding(cores, num_threads);
 #pragma omp parallel num_threads(num_threads)
   {
+    bind_team_thread(cores, omp_get_thread_num(), num_threads);
     ProgressSplit split(counters, omp_get_thread_num());  // this thread's way through the phases (work_split.h)
     for (int64_t l = 0; l < mw.num_layers; ++l) {
       split.begin_epoch(l);

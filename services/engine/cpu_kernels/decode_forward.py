@@ -74,7 +74,8 @@ class _StepInputs(ctypes.Structure):
     _fields_ = [("num_rows", _i64), ("token_ids", _ptr), ("positions", _ptr), ("slot_mapping", _ptr),
                 ("block_tables", _ptr), ("seq_lens", _ptr), ("table_stride", _i64), ("min_chunk_tokens", _i64),
                 ("out", _ptr), ("num_logit_rows", _i64), ("logit_rows", _ptr), ("logits", _ptr),
-                ("num_decodes", _i64), ("num_prefills", _i64), ("query_start", _ptr), ("context_lens", _ptr)]
+                ("num_decodes", _i64), ("num_prefills", _i64), ("query_start", _ptr), ("context_lens", _ptr),
+                ("thread_cores", _ptr), ("num_thread_cores", _i64)]
 
 
 @functools.cache
@@ -160,14 +161,20 @@ class DecodeStep:
 
     The logits are written into a buffer kept across steps, valid until the next step: a new one of
     more than 32 MB (glibc's largest heap block: 64 rows of a 152k vocabulary are 39 MB) is a fresh
-    mapping whose pages fault in every step, 8.9 ms to write it against 0.7 ms for a kept one."""
+    mapping whose pages fault in every step, 8.9 ms to write it against 0.7 ms for a kept one.
+
+    ``thread_cores``: the cores a step's threads bind to, thread i to the i-th, while a step runs on two
+    of them or more and no more than there are (``cpu_kernels/core_binding.h``; the engine's come from
+    ``threads.binding_cores``); empty, the threads go where the OS puts them."""
 
     def __init__(self, model, kv_caches: list, scale: float,
-                 min_chunk_tokens: int = paged_decode.MIN_CHUNK_TOKENS) -> None:
+                 min_chunk_tokens: int = paged_decode.MIN_CHUNK_TOKENS, thread_cores: tuple[int, ...] = ()) -> None:
         mc = model.config
         self.dtype = model.model.embed_tokens.weight.dtype
         self.hidden_size = mc.hidden_size
         self.min_chunk_tokens = min_chunk_tokens
+        self.thread_cores = tuple(thread_cores)
+        self._cores = (ctypes.c_int32 * len(self.thread_cores))(*self.thread_cores)
         self._kernel = _kernel()
         self._arena = _StepArena()
         # the most rows a step takes here (more run the torch forward), at least a whole decode batch's
@@ -249,6 +256,7 @@ class DecodeStep:
                                  self.min_chunk_tokens, out.data_ptr(), 0 if rows is None else rows.shape[0],
                                  _pointer(rows), _pointer(logits), num_decodes, num_prefills,
                                  None if prompts is None else prompts.query_start.data_ptr(),
-                                 None if prompts is None else prompts.context_lens.data_ptr())
+                                 None if prompts is None else prompts.context_lens.data_ptr(),
+                                 ctypes.addressof(self._cores) if self.thread_cores else None, len(self.thread_cores))
             self._kernel(_DTYPE_CODES[self.dtype], ctypes.byref(self._weights), ctypes.byref(inputs), self._arena.pointer)
         return out, logits
