@@ -207,6 +207,7 @@ class ThreadGovernor:
         self._last_core_idle = self._core_idle()
         self.idle_cores: float | None = None  # the usable cores left idle in the last measure; None: not known
         self._idle_trial_after = 0.0  # when idle cores may start a trial up again
+        self._idle_measured_at = 0  # the team's size at the last measure of the idle cores
         self._short_now = False  # short of cores in the last measure
         self.contended_share: float | None = None  # of the last measure; None: not known here
         self.cores_got: float | None = None  # in the last measure; None: not known here
@@ -281,11 +282,16 @@ class ThreadGovernor:
     def _measure_contention(self) -> None:
         """The wait for a core, the cores got and the idle cores since the last measure."""
         idle = self._core_idle()
+        # the idle cores of the measure before, where the team had the same size (not a trial's)
+        idle_before = self.idle_cores if self._idle_measured_at == self.threads else None
+        self._idle_measured_at = self.threads
         if idle is None or self._last_core_idle is None or idle[1] <= self._last_core_idle[1]:
             self.idle_cores = None
         else:
             self.idle_cores = idle[2] * (idle[0] - self._last_core_idle[0]) / (idle[1] - self._last_core_idle[1])
         self._last_core_idle = idle
+        if idle_before is not None and idle_before < 0.5 and (self.idle_cores or 0.0) >= WHOLE_CORE_IDLE:
+            self._idle_trial_after = 0.0  # a core newly idle: its taker left, whatever a trial up met before
         now = self._core_wait()
         if now is None or self._last_core_wait is None:
             self.contended_share = self.cores_got = None
@@ -401,6 +407,14 @@ class ThreadGovernor:
 CONTENDED_SHARE = 1 / 3
 # A measure whose team got this many cores fewer than its threads shrinks it at once (`_short_of_cores`).
 WHOLE_CORE_SHORT = 0.75
+# Idle cores that were under half a core in the measure before: a neighbour left, and a team below the
+# ceiling tries one thread more at once even where a trial up lost within probe_every_s. Beside a busy
+# process of another session (Linux's autogroup gives it a core of its own), one engine thread waits for
+# no core, so its wait cannot tell that the neighbour left; the core it leaves idle can: in-process on 2
+# cores, one stream, the team went back to two threads 0.5 s after the busy process ended, not 4 s later
+# when the last lost trial's probe_every_s ran out (and through `strata up`, a round of 12 requests after
+# a busy process ended ran on one thread, 188-195 tok/s against 265-298).
+WHOLE_CORE_IDLE = 0.9
 
 
 def process_core_wait() -> tuple[float, float] | None:

@@ -450,3 +450,24 @@ def test_binding_cores_are_the_usable_ones_where_the_threads_may_fill_them(monke
         assert binding_cores(True, None, {name: "true"}) == ()  # OpenMP binds them itself
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4})
     assert binding_cores(True, None, {}) == ()  # one core: nothing to spread
+
+
+def test_a_core_newly_idle_starts_a_trial_up_even_after_a_lost_one():
+    # beside a busy process of another session: one thread decodes faster than two bound ones, and waits
+    # for no core (autogroup gives the neighbour a core of its own)
+    neighbour = {"busy": True}
+    governor, sizes, clock = make_governor(
+        2, lambda threads, rows: ({1: 5.0, 2: 5.8} if neighbour["busy"] else {1: 4.5, 2: 2.5})[threads],
+        contended=0.45)
+    governor.bound = True
+    decode(governor, clock, 1, 40)
+    assert governor.threads == 1 and sizes == [1]
+    governor.core_wait.share = 0.01
+    clock.now += 10.0
+    decode(governor, clock, 1, 40)  # the probe up loses: idle cores start no trial for probe_every_s
+    assert governor.threads == 1 and sizes == [1, 2, 1]
+    decode(governor, clock, 1, 40)
+    assert sizes == [1, 2, 1]
+    neighbour["busy"], governor.core_idle.idle = False, 1.0  # it left: its core sits idle
+    decode(governor, clock, 1, 40)  # long before probe_every_s
+    assert governor.threads == 2 and sizes == [1, 2, 1, 2]
