@@ -410,10 +410,11 @@ WHOLE_CORE_SHORT = 0.75
 # Idle cores that were under half a core in the measure before: a neighbour left, and a team below the
 # ceiling tries one thread more at once even where a trial up lost within probe_every_s. Beside a busy
 # process of another session (Linux's autogroup gives it a core of its own), one engine thread waits for
-# no core, so its wait cannot tell that the neighbour left; the core it leaves idle can: in-process on 2
-# cores, one stream, the team went back to two threads 0.5 s after the busy process ended, not 4 s later
-# when the last lost trial's probe_every_s ran out (and through `strata up`, a round of 12 requests after
-# a busy process ended ran on one thread, 188-195 tok/s against 265-298).
+# no core, so its wait cannot tell that the neighbour left; the core it leaves idle can. In-process on 2
+# cores, one stream, where a trial up had lost 6 s before the busy process ended, the team went back to
+# two threads only 4.5 s after it ended, when probe_every_s ran out; through `strata up`, rounds of 12
+# requests right after a busy process ended ran on one thread now and then, 188-195 tok/s against
+# 265-298 (after this change, three rounds: 280-292).
 WHOLE_CORE_IDLE = 0.9
 
 
