@@ -259,7 +259,9 @@ def test_threads_bound_one_per_core_compute_the_same_bits_and_give_the_caller_it
     the calling thread to the first for the step only, then gives it its mask back (threads and
     processes it starts later inherit that)."""
     runner = make_runner(checkpoint, "float32")
-    cores = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    # the second core first: an engine's own order binds OpenMP's other thread to the second, so no thread
+    # of this process sits on the first alone before these steps (the caller is only bound for a step)
+    cores = tuple(sorted(os.sched_getaffinity(0)))[1::-1]
     bound = decode_forward.DecodeStep(runner.model, runner.kv_caches, runner.attention.scale, thread_cores=cores)
     free = decode_forward.DecodeStep(runner.model, runner.kv_caches, runner.attention.scale)
     requests, tables = prefill([runner], list(range(1, 40, 3)))
@@ -270,6 +272,7 @@ def test_threads_bound_one_per_core_compute_the_same_bits_and_give_the_caller_it
     try:
         torch.set_num_threads(2)
         expected = free(batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)
+        assert _threads_on_one_core(cores[1]) == 0
         for _ in range(5):
             hidden = bound(batch.input_ids, batch.positions, md.slot_mapping, md.block_tables, md.seq_lens)
             assert torch.equal(hidden, expected)
