@@ -65,7 +65,13 @@ inline void prefetch(const char* address) { __builtin_prefetch(address, 0, 2); }
 // The cache lines of the next tile's K and V rows, asked for a few at a time while the current tile
 // is computed. Asked for all at once, a tile's lines (hundreds) outnumber the misses a core can keep
 // in flight, so the core stalls issuing them, and then computes with nothing in flight; spread over
-// the tile's tokens, the reads overlap the arithmetic.
+// the tile's tokens, the reads overlap the arithmetic. In float32 they are spread over both passes of
+// the tile, the scores' (K) and the weighted sum's (V): asked for during the score passes alone, the
+// reads in flight ran out while the V rows were summed. The small shape's heads (8 over 4, dim 64),
+// 64 requests x 450 tokens x 8 layers (a 472 MB float32 pool), best of 15, alternating builds: two
+// threads 21.3-21.8 -> 23.0-23.5 GB/s, one thread 10.2-10.3 -> 11.0-11.1; from L3 (one layer, 59 MB)
+// 37.9-39.1 -> 39.1-44.4; 7 query heads a kv head 13.5-14.1 -> 14.8-15.6. In bfloat16 (32-dim V
+// steps, tiles of two blocks) the same split gained nothing (236 MB: 18.9-19.1 GB/s -> 18.9-19.4).
 struct LineFeed {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -297,10 +303,11 @@ void score_tile(const Problem& p, const Query& q, int64_t g0, const int64_t* row
 }
 
 // acc_(g0 + s) += sum_t weight[g0 + s][t] * v_t, each 16 lanes of the Sub accumulators held in registers
-// over the tile (split in independent sums when Sub is small, to hide the FMA latency).
+// over the tile (split in independent sums when Sub is small, to hide the FMA latency). `feed` is asked
+// for `lines_per_step` lines before each step of 16 dims (none in bfloat16's even-odd steps, see LineFeed).
 template <int Dt, int Sub>
 void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t count, const Scores& weight,
-                     float* acc) {
+                     float* acc, LineFeed& feed, int64_t lines_per_step) {
   const int64_t dim = p.head_dim;
 #ifdef STRATA_AVX512
   if constexpr (even_odd_acc<Dt>()) {  // 32 dims a step, the even ones and the odd ones (acc_index)
@@ -341,6 +348,7 @@ void accumulate_tile(const Problem& p, int64_t g0, const int64_t* row, int64_t c
   }
 #endif
   for (int64_t d = 0; d < dim; d += 16) {
+    feed.ask(lines_per_step);
 #ifdef STRATA_AVX512
     constexpr int kSets = Sub >= 4 ? 1 : 4 / Sub;
     const __mmask16 mask = lanes(dim - d);
@@ -419,13 +427,13 @@ void score_group(const Problem& p, const Query& q, int64_t group, const int64_t*
 
 template <int Dt>
 void accumulate_group(const Problem& p, int64_t group, const int64_t* row, int64_t count, const Scores& weight,
-                      float* acc) {
+                      float* acc, LineFeed& feed, int64_t lines_per_step) {
   for (int64_t g0 = 0; g0 < group;) {
     const int64_t left = group - g0;
-    if (left >= 8) { accumulate_tile<Dt, 8>(p, g0, row, count, weight, acc); g0 += 8; }
-    else if (left >= 4) { accumulate_tile<Dt, 4>(p, g0, row, count, weight, acc); g0 += 4; }
-    else if (left >= 2) { accumulate_tile<Dt, 2>(p, g0, row, count, weight, acc); g0 += 2; }
-    else { accumulate_tile<Dt, 1>(p, g0, row, count, weight, acc); g0 += 1; }
+    if (left >= 8) { accumulate_tile<Dt, 8>(p, g0, row, count, weight, acc, feed, lines_per_step); g0 += 8; }
+    else if (left >= 4) { accumulate_tile<Dt, 4>(p, g0, row, count, weight, acc, feed, lines_per_step); g0 += 4; }
+    else if (left >= 2) { accumulate_tile<Dt, 2>(p, g0, row, count, weight, acc, feed, lines_per_step); g0 += 2; }
+    else { accumulate_tile<Dt, 1>(p, g0, row, count, weight, acc, feed, lines_per_step); g0 += 1; }
   }
 }
 
@@ -528,13 +536,16 @@ void attend_chunk(const Problem& p, int64_t req, int64_t lo, int64_t hi, Partial
     if (next_count > 0) find_rows(start + tile, next_row);
     feed.start(k_pool, v_pool, next_row, next_count, element_size<Dt>(), token_bytes);
     const int64_t scored = p.num_kv_heads * count * ((group + 7) / 8);  // score_tile's token passes, at least
-    const int64_t lines_per_pass = (feed.total + scored - 1) / scored;
+    const int64_t summed = p.num_kv_heads * ((group + 7) / 8) * ((dim + 15) / 16);  // accumulate_tile's steps, at least
+    const int64_t over_scores = Dt == kFloat32 ? feed.total / 2 : feed.total;  // the rest over the V steps (LineFeed)
+    const int64_t lines_per_pass = (over_scores + scored - 1) / scored;
+    const int64_t lines_per_step = (feed.total - over_scores + summed - 1) / summed;
     for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
       for (int64_t t = 0; t < count; ++t) head_rows[t] = row[t] + kv_head * dim;
       Partial& part = *parts[kv_head];
       score_group<Dt>(p, queries[kv_head], group, head_rows, count, score, feed, lines_per_pass);
       softmax_tile(group, dim, count, score, part);
-      accumulate_group<Dt>(p, group, head_rows, count, score, part.acc);
+      accumulate_group<Dt>(p, group, head_rows, count, score, part.acc, feed, lines_per_step);
     }
     feed.ask(feed.total);  // what the passes left
     std::swap(row, next_row);
