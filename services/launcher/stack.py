@@ -1,6 +1,7 @@
 """`Stack`: the services as child processes, started in order, waited on until healthy, supervised
 while they serve, and stopped gateway first (the drain), NATS last."""
 
+import argparse
 import os
 import secrets
 import shlex
@@ -14,7 +15,8 @@ from pathlib import Path
 from services.common.nats_auth import TOKEN_VARIABLE, server_config
 from services.common.ports import find_free_port
 from services.common.supervisor import ChildProcess, Supervisor
-from services.engine.threads import openmp_wait_env, usable_cores
+from services.engine.engine_args import add_engine_args
+from services.engine.threads import binding_cores, openmp_wait_env, usable_cores
 from services.launcher.config import StackConfig
 from services.launcher.probes import grpc_serving, http_ok, tcp_open
 
@@ -40,7 +42,10 @@ class Stack:
     Through `strata up` on 2 cores (small, bfloat16), against the same stack without it, alternating:
     one stream TPOT 8.6% and 6.0% shorter (medians of 10 and 12 pairs; its median TTFT 0.92x and
     1.13x), 64 streams 0.995x and 1.056x the tok/s (6 and 8 pairs). Where cores are idle a woken
-    service runs there at once, as before."""
+    service runs there at once, as before.
+
+    Beside one engine that binds its step's threads to the cores (`front_cores`), those services
+    also keep off the core of its first thread, which runs the step's serial part as well."""
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
@@ -59,6 +64,27 @@ class Stack:
     def engine_is_direct(self) -> bool:
         """The gateway talks to the one engine itself (no router in front)."""
         return self.config.replicas == 1 and not self.config.autoscale
+
+    @property
+    def front_cores(self) -> set[int] | None:
+        """The cores of the services beside the engine (tokenizer, gateway): every core this process
+        may use but the first, where one CPU engine binds its step's threads one per core
+        (`threads.binding_cores`); None (anywhere) otherwise.
+
+        The first core's thread is the engine's main thread: between the parallel phases of a step,
+        whose items the other threads take over from a thread that lost its core (work_split.h), it
+        alone runs the step's serial part (scheduling, inputs, sampling, the outputs), so whatever
+        takes its core holds the whole step up. Through `strata bench overhead` on 2 cores (small,
+        bfloat16, 64 streams, medians of 3 pairs a round), the gateway kept on the second core: 0.92x,
+        0.94x, 0.91x, 0.91x, 0.91x the in-process tok/s against 0.91x, 0.90x, 0.91x, 0.91x, 0.93x, 0.88x,
+        0.92x, 0.91x, 0.91x where the OS placed it, and kept on the first core 0.86x, 0.83x."""
+        if not self.engine_is_direct:
+            return None  # replicas share the cores (OMP_NUM_THREADS), unbound
+        engine = _engine_flags(self.config.engine_args)
+        if engine is None or not str(engine.device).startswith("cpu"):
+            return None
+        cores = binding_cores(engine.bind_threads, engine.num_threads, {**os.environ, **self._engine_env()})
+        return set(cores[1:]) if cores else None
 
     @property
     def base_url(self) -> str:
@@ -139,6 +165,7 @@ class Stack:
         for name, argv in commands.items():
             if name != "nats":  # after `python -m services.<name>`: the service's own flags come later and win
                 argv[3:3] = config.log_flags()
+        front_cores = self.front_cores
         for name, argv in commands.items():
             log_path = Path(config.log_dir) / f"{name}.log" if config.log_dir is not None else None
             is_engine = name == "engine" or name.startswith("engine-")
@@ -149,6 +176,7 @@ class Stack:
                 env["STRATA_API_KEY"] = config.api_key  # likewise: `ps` shows argv to everyone
             prefix = name == "nats" or config.log_format != "json"  # a JSON line names its service itself
             self.services.append(ChildProcess(name, argv, log_path, config.echo_logs, env, prefix=prefix,
+                                              cpus=None if is_engine else front_cores,
                                               batch_scheduled=not is_engine))
         try:
             for service in self.services:
@@ -262,6 +290,17 @@ class Stack:
         for service in self.services:
             if service.exit_code is None and service.process is not None:
                 service.process.kill()
+
+
+def _engine_flags(argv: list[str]) -> argparse.Namespace | None:
+    """The engine flags of ``argv`` (the engine's own parser; the others left out), or None where one
+    is malformed (the engine says so itself when it starts)."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_engine_args(parser)
+    try:
+        return parser.parse_known_args(argv)[0]
+    except (argparse.ArgumentError, SystemExit):
+        return None
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

@@ -37,6 +37,34 @@ def test_pairs_alternate_and_the_median_ratio_is_reported(capsys):
     (engine_idle, stack_idle), = re.findall(r"^cores idle: ([\d.]+)% of the cores' time in the in-process runs, "
                                             r"([\d.]+)% in the stack's", out, re.MULTILINE)
     assert 0 <= float(engine_idle) <= 100 and 0 <= float(stack_idle) <= 100
+    cores = sorted(os.sched_getaffinity(0))
+    placed = re.findall(r"^placement: the stack's tokenizer and gateway, and the clients, on cores ([\d,]+) ", out,
+                        re.MULTILINE)
+    assert placed == ([",".join(map(str, cores[1:]))] if len(cores) >= 2 else [])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")
+def test_the_clients_run_on_the_cores_given_and_then_where_they_ran():
+    from services.bench.overhead import clients_on
+
+    before = os.sched_getaffinity(0)
+    one = {min(before)}
+    with clients_on(one):
+        assert os.sched_getaffinity(0) == one
+    assert os.sched_getaffinity(0) == before
+    with clients_on(None):
+        assert os.sched_getaffinity(0) == before
+
+
+def test_both_engines_get_the_same_thread_binding():
+    from services.bench.overhead import _engine_argv, build_parser
+    from services.engine.engine_args import config_from_args
+
+    def argv(*flags: str) -> list[str]:
+        return _engine_argv(config_from_args(build_parser().parse_args(["--model", "m", *flags])))
+
+    assert "--no-bind-threads" in argv("--no-bind-threads")
+    assert "--no-bind-threads" not in argv()
 
 
 def test_the_shared_cores_rate_is_the_engines_share_of_the_cpu():

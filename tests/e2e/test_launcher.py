@@ -206,6 +206,45 @@ def test_several_served_names_are_each_accepted_and_echoed(default_model_dir, tm
     assert parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")
+def test_the_services_beside_one_cpu_engine_that_binds_keep_off_its_first_core(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    for name in ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def front_cores(engine_args: list[str], **config) -> set[int] | None:
+        return Stack(StackConfig(model="m", engine_args=engine_args, **config)).front_cores
+
+    assert front_cores([]) == {5, 6, 7}  # the engine binds thread i to core 4 + i; its first thread on 4
+    assert front_cores(["--num-threads", "4", "--dtype", "float32"]) == {5, 6, 7}
+    # where the engine does not bind its threads, the services go where the OS puts them
+    assert front_cores(["--no-bind-threads"]) is None
+    assert front_cores(["--num-threads", "2"]) is None
+    assert front_cores(["--device", "cuda"]) is None
+    assert front_cores(["--num-threads", "four"]) is None  # (the engine refuses the flag itself)
+    assert front_cores([], replicas=2) is None
+    monkeypatch.setenv("OMP_PROC_BIND", "close")  # the user's own OpenMP binding
+    assert front_cores([]) is None
+    monkeypatch.delenv("OMP_PROC_BIND")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert front_cores([]) is None  # one core: nowhere else to go
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")
+def test_the_running_services_beside_the_engine_are_on_its_front_cores_in_every_thread(stack):
+    def masks(pid: int) -> list[set[int]]:
+        return [os.sched_getaffinity(int(task)) for task in os.listdir(f"/proc/{pid}/task")]
+
+    front = stack.front_cores
+    cores = os.sched_getaffinity(0)
+    assert front == (set(sorted(cores)[1:]) if len(cores) >= 2 else None)
+    for service in stack.services:
+        if service.name == "engine":
+            assert os.sched_getaffinity(service.pid) == cores  # its main thread (bound only within a step)
+        else:
+            assert all(mask == (front or cores) for mask in masks(service.pid)), service.name
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
 def test_the_services_beside_the_engine_are_batch_scheduled_in_every_thread_and_the_engine_is_not(stack):
     def policies(pid: int) -> set[int]:
