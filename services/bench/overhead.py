@@ -342,9 +342,10 @@ def _run(args) -> int:
         run = run_in_process(llm, prompts, output_lens)
         return run, time.process_time() - started_cpu, idle_share(cores_before, core_times())
 
-    def streamed(running, prompts, output_lens) -> tuple[Run, dict[str, int], dict[str, float], float, float | None]:
+    def streamed(running, front_cores, prompts, output_lens
+                 ) -> tuple[Run, dict[str, int], dict[str, float], float, float | None]:
         gc.collect()
-        with clients_on(running.front_cores):
+        with clients_on(front_cores):
             return uvloop.run(_stream_all(running.base_url, "bench", prompts, output_lens, args.max_concurrency,
                                           running))
 
@@ -355,10 +356,10 @@ def _run(args) -> int:
         release_freed_memory()
     pairs = []
     with running_stack(config, _engine_argv(config)) as running:
-        front_cores = running.front_cores
+        front_cores = running.front_cores  # (the engine's flags parsed once)
         for k, (prompts, output_lens) in enumerate(workloads):
             engine, engine_cpu_s, engine_idle = engine_runs[k] if phased else in_process(prompts, output_lens)
-            stack, errors, stack_cpu_s, client_cpu_s, stack_idle = streamed(running, prompts, output_lens)
+            stack, errors, stack_cpu_s, client_cpu_s, stack_idle = streamed(running, front_cores, prompts, output_lens)
             pairs.append(Pair(engine, stack, errors, stack_cpu_s, engine_cpu_s, client_cpu_s, engine_idle, stack_idle))
     print("============ Serving overhead: output tokens/s ============")
     print(f"{'run':<26}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'TPOT ms':>9}")
