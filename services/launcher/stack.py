@@ -67,7 +67,7 @@ class Stack:
 
     @property
     def front_cores(self) -> set[int] | None:
-        """The cores of the services beside the engine (tokenizer, gateway): every core this process
+        """The cores of the services beside the engine (tokenizer, gateway, NATS): every core this process
         may use but the first, where one CPU engine binds its step's threads one per core
         (`threads.binding_cores`); None (anywhere) otherwise.
 
