@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES),
                         help="random-weight Llama shape when --model is not given (default: %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: %(default)s)")
-    parser.add_argument("--input-len", default="64,512", help="prompt length range lo,hi (default: %(default)s)")
-    parser.add_argument("--output-len", default="64,256", help="output length range lo,hi (default: %(default)s)")
+    parser.add_argument("--input-len", type=length_range, default="64,512",
+                        help="prompt length range lo,hi, or one length N (default: %(default)s)")
+    parser.add_argument("--output-len", type=length_range, default="64,256",
+                        help="output length range lo,hi, or one length N (default: %(default)s)")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help="comma list of %s, or none (default: all)" % ", ".join(BASELINES))
     parser.add_argument("--hf-batch1-prompts", type=int, default=6,
@@ -71,11 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _range(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(","))
-    if not 1 <= lo <= hi:
-        raise SystemExit(f"strata bench offline: bad range {text!r}: need 1 <= lo <= hi")
-    return lo, hi
+def length_range(text: str) -> tuple[int, int]:
+    """--input-len and --output-len: ``lo,hi`` (uniform in it), or ``N`` (every request N)."""
+    try:
+        bounds = [int(x) for x in text.split(",")]
+    except ValueError:
+        bounds = []
+    if len(bounds) == 1:
+        bounds *= 2
+    if len(bounds) != 2 or not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need lo,hi with 1 <= lo <= hi, or one length >= 1")
+    return bounds[0], bounds[1]
 
 
 def parse_sampling(text: str) -> dict[str, float]:
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.engine.models.config import load_model_config
 
         model_config = load_model_config(config.model)
-        prompts, output_lens = make_workload(args.num_prompts, _range(args.input_len), _range(args.output_len),
+        prompts, output_lens = make_workload(args.num_prompts, args.input_len, args.output_len,
                                              model_config.vocab_size, args.workload_seed)
         runs = [RunResult("strata", params={"max_num_seqs": config.max_num_seqs, "sampling": args.sampling},
                           metrics=run_strata(config, prompts, output_lens, args.sampling))]

@@ -57,6 +57,19 @@ def test_step_dtypes_parse_and_none_or_nothing_skips_the_section(value, names):
     assert offline.parse_step_dtypes(value) == names
 
 
+@pytest.mark.parametrize("value, bounds", [("64,512", (64, 512)), ("288", (288, 288)), ("7,7", (7, 7))])
+def test_a_length_is_a_range_or_one_length(value, bounds):
+    assert offline.length_range(value) == bounds
+
+
+@pytest.mark.parametrize("value", ["512,64", "0", "x", "1,2,3", ""])
+def test_a_bad_length_ends_the_command_with_a_usage_error_before_anything_runs(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        offline.main(["--input-len", value])
+    assert exit_info.value.code == 2
+    assert "argument --input-len" in capsys.readouterr().err
+
+
 def test_an_unknown_step_dtype_is_refused_before_the_workload_runs(tmp_path):
     with pytest.raises(SystemExit, match=r"--step-dtypes: unknown dtype\(s\) \['fp16'\]"):
         offline.main(["--model", str(tmp_path / "never-read"), "--step-dtypes", "float32,fp16"])
