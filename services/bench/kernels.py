@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from services.bench.arg_types import shape_list
 from services.bench.floor import measure_read_bandwidth
 
 
@@ -27,15 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="(default: %(default)s)")
-    parser.add_argument("--decode", default="1x1024,1x8192,16x2048,64x1024,64x4096",
+    parser.add_argument("--decode", type=shape_list, default="1x1024,1x8192,16x2048,64x1024,64x4096",
                         help="decode shapes, requests x context (default: %(default)s)")
-    parser.add_argument("--prefill", default="1x2048,8x512", help="prefill shapes, requests x new tokens "
+    parser.add_argument("--prefill", type=shape_list, default="1x2048,8x512", help="prefill shapes, requests x new tokens "
                         "(default: %(default)s)")
     return parser
-
-
-def _shapes(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
 
 
 def scattered_pools(num_reqs: int, context: int, kv_heads: int, head_dim: int, block_size: int,
@@ -121,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     print("=========== paged decode: kernel vs torch SDPA over gathered contexts ===========")
     print(f"{'reqs':>5}{'context':>9}{'kernel ms':>11}{'SDPA ms':>10}{'SDPA/kernel':>13}{'floor ms':>10}"
           f"{'kernel/floor':>14}{'GB/s':>8}{'max err':>9}")
-    for num_reqs, context in _shapes(args.decode):
+    for num_reqs, context in args.decode:
         r = bench_decode(args, num_reqs, context, read_bytes_per_s, dtype, device)
         print(f"{num_reqs:>5}{context:>9}{r['kernel_ms']:>11.3f}{r['sdpa_ms']:>10.3f}{r['sdpa_ms'] / r['kernel_ms']:>12.2f}x"
               f"{r['floor_ms']:>10.3f}{r['kernel_ms'] / r['floor_ms']:>13.2f}x{r['gb_per_s']:>8.0f}{r['max_error']:>9.1e}")
     print("=========== paged prefill: kernel vs torch causal SDPA (contiguous) ===========")
     print(f"{'reqs':>5}{'tokens':>8}{'kernel ms':>11}{'SDPA ms':>10}{'SDPA/kernel':>13}{'kernel TF/s':>13}"
           f"{'SDPA TF/s':>11}{'max err':>9}")
-    for num_reqs, new_tokens in _shapes(args.prefill):
+    for num_reqs, new_tokens in args.prefill:
         r = bench_prefill(args, num_reqs, new_tokens, dtype, device)
         print(f"{num_reqs:>5}{new_tokens:>8}{r['kernel_ms']:>11.3f}{r['sdpa_ms']:>10.3f}"
               f"{r['sdpa_ms'] / r['kernel_ms']:>12.2f}x{r['kernel_tflops']:>13.1f}{r['sdpa_tflops']:>11.1f}"

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.bench import arg_types
 from services.bench.checkpoints import SHAPES, write_random_llama
 from services.bench.decode_floors import format_decode_floors, run_decode_floors
 from services.bench.floor import measure_read_bandwidth, run_floor
@@ -47,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES),
                         help="random-weight Llama shape when --model is not given (default: %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: %(default)s)")
-    parser.add_argument("--input-len", type=length_range, default="64,512",
+    parser.add_argument("--input-len", type=arg_types.length_range, default="64,512",
                         help="prompt length range lo,hi, or one length N (default: %(default)s)")
-    parser.add_argument("--output-len", type=length_range, default="64,256",
+    parser.add_argument("--output-len", type=arg_types.length_range, default="64,256",
                         help="output length range lo,hi, or one length N (default: %(default)s)")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help="comma list of %s, or none (default: all)" % ", ".join(BASELINES))
@@ -71,19 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--result-filename", default=None, help="the JSON file's name (default: "
                         "offline-<date-time>.json)")
     return parser
-
-
-def length_range(text: str) -> tuple[int, int]:
-    """--input-len and --output-len: ``lo,hi`` (uniform in it), or ``N`` (every request N)."""
-    try:
-        bounds = [int(x) for x in text.split(",")]
-    except ValueError:
-        bounds = []
-    if len(bounds) == 1:
-        bounds *= 2
-    if len(bounds) != 2 or not 1 <= bounds[0] <= bounds[1]:
-        raise argparse.ArgumentTypeError(f"{text!r}: need lo,hi with 1 <= lo <= hi, or one length >= 1")
-    return bounds[0], bounds[1]
 
 
 def parse_sampling(text: str) -> dict[str, float]:

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from services.bench.arg_types import shape_list
 from services.bench.floor import measure_read_bandwidth
 from services.engine.inverse_cdf import inverse_cdf_draw
 from services.engine.request import Request
@@ -42,7 +43,7 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 400, 160
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata bench sampler", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1x32000,64x32000,1x151936,64x151936",
+    parser.add_argument("--batches", type=shape_list, default="1x32000,64x32000,1x151936,64x151936",
                         help="rows x vocabulary, comma-separated (default: %(default)s)")
     parser.add_argument("--samplings", default=",".join(SAMPLINGS),
                         help=f"comma-separated, of: {', '.join(SAMPLINGS)} (default: all)")
@@ -90,7 +91,6 @@ def median_seconds(call, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    batches = [tuple(int(x) for x in item.split("x")) for item in args.batches.split(",") if item]
     samplings = [name.strip() for name in args.samplings.split(",") if name.strip()]
     unknown = [name for name in samplings if name not in SAMPLINGS]
     if unknown:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.prompt_tokens}-token prompts and {OUTPUT_TOKENS} outputs")
     print(f"{'batch':>12}  {'sampling':<18} {'ours ms':>9} {'torch ops ms':>13} {'torch/ours':>11} "
           f"{'floor ms':>9} {'ours/floor':>11}")
-    for rows, vocab in batches:
+    for rows, vocab in args.batches:
         generator = torch.Generator().manual_seed(rows * vocab)
         logits = language_model_logits(rows, vocab, generator)
         floor = logits.numel() * logits.element_size() / bandwidth

@@ -28,6 +28,3 @@ def test_decode_and_prefill_references_match_the_kernels(untimed):
     prefill = kernels.bench_prefill(args, 2, 20, torch.float32, device)
     assert prefill["max_error"] < 1e-4 and prefill["kernel_tflops"] > 0
 
-
-def test_shapes_parse():
-    assert kernels._shapes("1x1024,64x4096") == [(1, 1024), (64, 4096)]

@@ -57,11 +57,6 @@ def test_step_dtypes_parse_and_none_or_nothing_skips_the_section(value, names):
     assert offline.parse_step_dtypes(value) == names
 
 
-@pytest.mark.parametrize("value, bounds", [("64,512", (64, 512)), ("288", (288, 288)), ("7,7", (7, 7))])
-def test_a_length_is_a_range_or_one_length(value, bounds):
-    assert offline.length_range(value) == bounds
-
-
 @pytest.mark.parametrize("value", ["512,64", "0", "x", "1,2,3", ""])
 def test_a_bad_length_ends_the_command_with_a_usage_error_before_anything_runs(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
