@@ -54,12 +54,14 @@ def main(argv: list[str] | None = None) -> int:
                    for p in args.prompt]
     else:
         prompts = [tokenizer.encode(p, add_special_tokens=True) for p in args.prompt]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-                            ignore_eos=args.ignore_eos)
     try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                                ignore_eos=args.ignore_eos)
         llm = LLM(config)
-    except ValueError as exc:  # flags or a checkpoint the engine refuses: its reason, not a traceback
+        for prompt in prompts:  # a prompt the engine would refuse, before any runs
+            llm.core.validate(prompt, params)
+    except ValueError as exc:  # flags, a checkpoint or a request the engine refuses: its reason, not a traceback
         raise SystemExit(f"strata generate: {exc}") from None
     started = time.perf_counter()
     completions = llm.generate(prompts, params)
