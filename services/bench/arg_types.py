@@ -29,3 +29,14 @@ def shape_list(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"{item!r}: need AxB, two positive integers (as 64x1024)")
         shapes.append((a, b))
     return shapes
+
+
+def positive_int(text: str) -> int:
+    """A count of at least 1: ``--num-prompts``, ``--max-concurrency``, a length."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need an integer >= 1")
+    return value

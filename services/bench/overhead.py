@@ -60,6 +60,7 @@ from typing import NamedTuple
 
 import uvloop
 
+from services.bench.arg_types import positive_int
 from services.bench.checkpoints import SHAPES, write_random_llama
 
 
@@ -72,11 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", choices=sorted(SHAPES),
                         help="a random-weight Llama of this shape (vocabulary of the built-in tokenizer) "
                              "instead of --model (default: none)")
-    parser.add_argument("--num-prompts", type=int, default=128, help="requests per run (default: %(default)s)")
-    parser.add_argument("--max-concurrency", type=int, default=32,
+    parser.add_argument("--num-prompts", type=positive_int, default=128, help="requests per run (default: %(default)s)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=32,
                         help="streams in flight, and both runs' --max-num-seqs (default: %(default)s)")
-    parser.add_argument("--input-len", type=int, default=128, help="mean prompt tokens (default: %(default)s)")
-    parser.add_argument("--output-len", type=int, default=64, help="mean tokens generated (default: %(default)s)")
+    parser.add_argument("--input-len", type=positive_int, default=128, help="mean prompt tokens (default: %(default)s)")
+    parser.add_argument("--output-len", type=positive_int, default=64, help="mean tokens generated (default: %(default)s)")
     parser.add_argument("--range-ratio", type=float, default=0.5,
                         help="lengths uniform in len·(1±r) (default: %(default)s)")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the workload (default: %(default)s)")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import uvloop
 
+from services.bench.arg_types import positive_int
 from services.bench.client import RequestSettings, open_session
 from services.bench.datasets import BenchRequest
 from services.bench.runner import RunPlan, send_all
@@ -54,12 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-args", default="",
                         help="extra engine flags when starting the stack, one quoted string (default: none)")
     parser.add_argument("--schema", help="a JSON schema file (default: a 20-property object)")
-    parser.add_argument("--num-prompts", type=int, default=128,
+    parser.add_argument("--num-prompts", type=positive_int, default=128,
                         help="requests of the throughput runs, each (default: %(default)s)")
-    parser.add_argument("--max-concurrency", type=int, default=64,
+    parser.add_argument("--max-concurrency", type=positive_int, default=64,
                         help="streams in flight, and the started engine's --max-num-seqs (default: %(default)s)")
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids) (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=400,
+    parser.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens (random ids) (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=positive_int, default=400,
                         help="max_tokens of the constrained requests (default: %(default)s)")
     parser.add_argument("--num-compile-probes", type=int, default=5,
                         help="requests per compilation probe (default: %(default)s)")

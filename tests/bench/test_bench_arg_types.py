@@ -27,3 +27,10 @@ def test_shapes_are_comma_separated_pairs():
 def test_a_bad_shape_is_named_in_the_error(value):
     with pytest.raises(argparse.ArgumentTypeError, match=f"'{value}': need AxB"):
         arg_types.shape_list(value)
+
+
+def test_a_count_is_a_positive_integer():
+    assert arg_types.positive_int("64") == 64
+    for value in ("0", "-3", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="need an integer >= 1"):
+            arg_types.positive_int(value)
