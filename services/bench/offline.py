@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES),
                         help="random-weight Llama shape when --model is not given (default: %(default)s)")
-    parser.add_argument("--num-prompts", type=arg_types.positive_int, default=64, help="requests (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=arg_types.positive_int, default=64,
+                        help="requests (default: %(default)s)")
     parser.add_argument("--input-len", type=arg_types.length_range, default="64,512",
                         help="prompt length range lo,hi, or one length N (default: %(default)s)")
     parser.add_argument("--output-len", type=arg_types.length_range, default="64,256",

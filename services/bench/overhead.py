@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrency", type=positive_int, default=32,
                         help="streams in flight, and both runs' --max-num-seqs (default: %(default)s)")
     parser.add_argument("--input-len", type=positive_int, default=128, help="mean prompt tokens (default: %(default)s)")
-    parser.add_argument("--output-len", type=positive_int, default=64, help="mean tokens generated (default: %(default)s)")
+    parser.add_argument("--output-len", type=positive_int, default=64,
+                        help="mean tokens generated (default: %(default)s)")
     parser.add_argument("--range-ratio", type=float, default=0.5,
                         help="lengths uniform in len·(1±r) (default: %(default)s)")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the workload (default: %(default)s)")

@@ -36,15 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", choices=sorted(SHAPES),
                         help="a random-weight Llama of this shape instead (default: none)")
     parser.add_argument("--replicas", type=int, default=2, help="engines behind the router (default: %(default)s)")
-    parser.add_argument("--num-prompts", type=positive_int, default=128, help="requests per policy (default: %(default)s)")
-    parser.add_argument("--max-concurrency", type=positive_int, default=8, help="requests in flight (default: %(default)s)")
+    parser.add_argument("--num-prompts", type=positive_int, default=128,
+                        help="requests per policy (default: %(default)s)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=8,
+                        help="requests in flight (default: %(default)s)")
     parser.add_argument("--prefix-num", type=positive_int, default=8, help="system prompts (default: %(default)s)")
-    parser.add_argument("--prefix-len", type=positive_int, default=512, help="tokens per system prompt (default: %(default)s)")
+    parser.add_argument("--prefix-len", type=positive_int, default=512,
+                        help="tokens per system prompt (default: %(default)s)")
     parser.add_argument("--suffix-len", type=int, default=32,
                         help="tokens of each request's own question (default: %(default)s)")
     parser.add_argument("--output-len", type=positive_int, default=16,
                         help="tokens generated per request (default: %(default)s)")
-    parser.add_argument("--num-kv-blocks", type=positive_int, default=160, help="each engine's pool (default: %(default)s)")
+    parser.add_argument("--num-kv-blocks", type=positive_int, default=160,
+                        help="each engine's pool (default: %(default)s)")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts (default: %(default)s)")
     parser.add_argument("--engine-args", default="",
                         help="more flags for every engine, one quoted string, as `strata up --engine-args`, e.g. "

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests of the throughput runs, each (default: %(default)s)")
     parser.add_argument("--max-concurrency", type=positive_int, default=64,
                         help="streams in flight, and the started engine's --max-num-seqs (default: %(default)s)")
-    parser.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens (random ids) (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=positive_int, default=64,
+                        help="prompt tokens (random ids) (default: %(default)s)")
     parser.add_argument("--max-tokens", type=positive_int, default=400,
                         help="max_tokens of the constrained requests (default: %(default)s)")
     parser.add_argument("--num-compile-probes", type=int, default=5,
