@@ -31,8 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=shape_list, default="1x1024,1x8192,16x2048,64x1024,64x4096",
                         help="decode shapes, requests x context (default: %(default)s)")
     parser.add_argument("--prefill", type=shape_list, default="1x2048,8x512",
-                        help="prefill shapes, requests x new tokens "
-                        "(default: %(default)s)")
+                        help="prefill shapes, requests x new tokens (default: %(default)s)")
     return parser
 
 

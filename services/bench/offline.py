@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.bench import arg_types
+from services.bench.arg_types import length_range, positive_int
 from services.bench.checkpoints import SHAPES, write_random_llama
 from services.bench.decode_floors import format_decode_floors, run_decode_floors
 from services.bench.floor import measure_read_bandwidth, run_floor
@@ -47,11 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES),
                         help="random-weight Llama shape when --model is not given (default: %(default)s)")
-    parser.add_argument("--num-prompts", type=arg_types.positive_int, default=64,
+    parser.add_argument("--num-prompts", type=positive_int, default=64,
                         help="requests (default: %(default)s)")
-    parser.add_argument("--input-len", type=arg_types.length_range, default="64,512",
+    parser.add_argument("--input-len", type=length_range, default="64,512",
                         help="prompt length range lo,hi, or one length N (default: %(default)s)")
-    parser.add_argument("--output-len", type=arg_types.length_range, default="64,256",
+    parser.add_argument("--output-len", type=length_range, default="64,256",
                         help="output length range lo,hi, or one length N (default: %(default)s)")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help="comma list of %s, or none (default: all)" % ", ".join(BASELINES))
@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                              % ", ".join(SAMPLING_KEYS))
     parser.add_argument("--step-dtypes", default=DEFAULT_STEP_DTYPES,
                         help="batch-1 decode step section: comma list of dtypes, or none (default: %(default)s)")
-    parser.add_argument("--step-context", type=arg_types.positive_int, default=256,
+    parser.add_argument("--step-context", type=positive_int, default=256,
                         help="context of the batch-1 steps, tokens (default: %(default)s)")
-    parser.add_argument("--step-repeats", type=arg_types.positive_int, default=50,
+    parser.add_argument("--step-repeats", type=positive_int, default=50,
                         help="steps (and linear-floor passes) per median (default: %(default)s)")
     parser.add_argument("--save-result", action="store_true", help="write the JSON result file")
     parser.add_argument("--result-dir", default="results", help="where --save-result writes (default: %(default)s)")
